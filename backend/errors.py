@@ -1,0 +1,60 @@
+"""Typed errors. Every error a user can cause is a StudioError with a message that
+names the file, key or field at fault; front ends map ``http_status`` and ``kind``
+onto their own shapes (OpenAI error JSON, exit code 2, a UI message)."""
+from __future__ import annotations
+
+
+class StudioError(Exception):
+    """Base class: a problem the user can fix, with a one-line message."""
+
+    http_status = 400
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidParameter(StudioError):
+    """A generation field is unknown, of the wrong type or out of range."""
+
+
+class ModelNotFound(StudioError):
+    http_status = 404
+    kind = "not_found_error"
+
+
+class UnsupportedModel(StudioError):
+    """The model loads, but its pipeline class is not one we support."""
+
+
+class CorruptModel(StudioError):
+    """A model directory exists but cannot be loaded."""
+
+
+class AdapterError(StudioError):
+    """An adapter file or folder is missing, unreadable or incompatible."""
+
+
+class AdapterNotFound(StudioError):
+    http_status = 404
+    kind = "not_found_error"
+
+
+class PathNotAllowed(StudioError):
+    http_status = 403
+    kind = "permission_error"
+
+
+class ContractViolation(StudioError):
+    """A request breaks the sampling contract of a loaded artifact or preset."""
+
+    http_status = 422
+
+
+class Cancelled(StudioError):
+    """A generation was cancelled before it finished."""
+
+    http_status = 409
+    kind = "cancelled"
