@@ -26,6 +26,17 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 StepCallback = Callable[[int, int], None]
 
 
+def quiet_libraries() -> None:
+    """Our own progress reporting replaces the libraries' per-component bars and notices."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 @dataclass
 class GenerationResult:
     images: list | None = None  # list[PIL.Image]
@@ -59,6 +70,7 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
 
 class PipelineManager:
     def __init__(self, *, device: str | None = None, dtype: str | None = None, data_dir=None):
+        quiet_libraries()
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.data_dir = data_dir
