@@ -17,6 +17,13 @@ COMMANDS = ("serve", "generate", "adapters", "presets")
 DEFAULT_MODEL = "demo:qwen-image"  # backend.demo.DEFAULT_MODEL, without importing torch here
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the problem (exit 2)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="where models, adapters, outputs and the job queue live "
                                       "(default: $LORA_STUDIO_HOME or ~/.cache/lora-studio)")
@@ -35,8 +42,9 @@ def _lora(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="app.py", description="LoRA Studio: diffusion models with LoRA adapters.")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,adapters,presets}")
+    parser = OneLineParser(prog="app.py", description="LoRA Studio: diffusion models with LoRA adapters.")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,adapters,presets}",
+                                parser_class=OneLineParser)
 
     serve = sub.add_parser("serve", help="serve the UI and the HTTP API (default)")
     serve.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL")
