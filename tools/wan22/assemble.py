@@ -38,7 +38,8 @@ def run(req: Request) -> Result:
     for name, ckpt in ckpts.items():
         expected = checkpoint.expected_tensors(skel.config_file(name), skel.transformer_class(name),
                                                f"{req.skeleton}/{name}")
-        by_shard = checkpoint.check(ckpt, expected, skel.transformer_class(name))
+        against = f"{name}/{skel.config_file(name).name} ({skel.transformer_class(name)})"
+        by_shard = checkpoint.check(ckpt, expected, against)
         steps += _transformer_steps(name, skel, ckpt, by_shard, req.asset_mode,
                                     replaced=req.weights.get(name) is not None)
     writer.check_space(steps, req.output_dir)

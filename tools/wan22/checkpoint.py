@@ -42,10 +42,6 @@ class Checkpoint:
     def sharded(self) -> bool:
         return self.index is not None
 
-    @property
-    def nbytes(self) -> int:
-        return sum(p.stat().st_size for p in self.shards)
-
     def canonical_names(self) -> list[str]:
         """Output file names, one per shard, as diffusers' save_pretrained would write them."""
         if not self.sharded:
@@ -142,8 +138,9 @@ def read_tensors(ckpt: Checkpoint) -> dict[Path, dict[str, tuple[int, ...]]]:
     return out
 
 
-def check(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], class_name: str) -> dict[Path, list[str]]:
-    """Raise naming the first tensor that differs from ``expected``; return tensor names per shard."""
+def check(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], against: str) -> dict[Path, list[str]]:
+    """Raise naming the first tensor that differs from ``expected`` (what ``against``, e.g.
+    "transformer/config.json (WanTransformer3DModel)", defines); return tensor names per shard."""
     per_shard = read_tensors(ckpt)
     found: dict[str, tuple[int, ...]] = {}
     where: dict[str, Path] = {}
@@ -154,7 +151,7 @@ def check(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], class_name: st
             found[name], where[name] = shape, shard
     if ckpt.sharded:
         _check_index(ckpt, where)
-    problem = first_mismatch(expected, found, class_name)
+    problem = first_mismatch(expected, found, against)
     if problem:
         source = ckpt.index if ckpt.sharded else ckpt.shards[0]
         raise AssemblyError(f"{ckpt.label} {source}: {problem}")
@@ -176,18 +173,17 @@ def _check_index(ckpt: Checkpoint, where: dict[str, Path]) -> None:
 
 
 def first_mismatch(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]],
-                   class_name: str) -> str | None:
+                   against: str) -> str | None:
     """The first difference, in the model's own parameter order, as one sentence."""
     for name, shape in expected.items():
         if name not in found:
             hint = _layout_hint(expected, found)
-            return f"tensor {name!r} is missing (the {class_name} config expects shape {list(shape)}){hint}"
+            return f"tensor {name!r} is missing ({against} expects shape {list(shape)}){hint}"
         if found[name] != shape:
-            return (f"tensor {name!r} has shape {list(found[name])} but the {class_name} config "
-                    f"expects {list(shape)}")
+            return f"tensor {name!r} has shape {list(found[name])} but {against} expects {list(shape)}"
     for name in found:
         if name not in expected:
-            return f"unexpected tensor {name!r} (the {class_name} config has no such parameter)"
+            return f"unexpected tensor {name!r} ({against} has no such parameter)"
     return None
 
 

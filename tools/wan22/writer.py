@@ -45,7 +45,11 @@ class Step:
         elif self.kind == "link":
             os.symlink(self.link_text(final_root), dest)
         elif self.source.is_dir():  # copies follow symlinks: the output owns real files
-            shutil.copytree(self.source, dest, copy_function=shutil.copyfile)
+            try:
+                shutil.copytree(self.source, dest, copy_function=shutil.copyfile)
+            except shutil.Error as exc:  # a list of (src, dst, why): name the first source
+                src, _dst, why = exc.args[0][0]
+                raise AssemblyError(f"copying {src} failed: {why}") from None
         else:
             shutil.copyfile(self.source, dest)
 
