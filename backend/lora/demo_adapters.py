@@ -31,7 +31,7 @@ from filelock import FileLock
 
 from .. import settings
 
-VERSION = 1
+VERSION = 2
 MARKER = ".demo-adapters"
 
 
@@ -49,23 +49,24 @@ DEMO_ADAPTERS: tuple[DemoAdapter, ...] = (
     DemoAdapter("demo:sd3.5", "sd3.5/sd35-cheesecake-peft", "write_peft_folder", rank=4, alpha=8),
     DemoAdapter("demo:sd3.5", "sd3.5/sd35-watercolor.safetensors", "write_diffusers_file", rank=8, alpha=8),
     DemoAdapter("demo:sd3.5", "sd3.5/sd35-sketch-peft-dump.safetensors", "write_peft_dump", rank=4),
-    DemoAdapter("demo:qwen-image", "qwen-image/qwen-image-neon-peft", "write_peft_folder_regex", rank=4, alpha=4),
+    DemoAdapter("demo:qwen-image", "qwen-image/qwen-image-neon-peft", "write_peft_folder_regex", rank=4, alpha=4,
+                amplitude=2.0),
     DemoAdapter("demo:qwen-image", "qwen-image/qwen-image-ink-kohya.safetensors", "write_kohya_qwen", rank=8,
-                alpha=4),
+                alpha=4, amplitude=2.0),
     DemoAdapter("demo:qwen-image", "qwen-image/qwen-image-film-diffusers.safetensors", "write_diffusers_file",
-                rank=4, alpha=4),
+                rank=4, alpha=4, amplitude=2.0),
     DemoAdapter("demo:wan2.1-t2v", "wan2.1-t2v/wan21-t2v-lightx2v-demo.safetensors", "write_lightx2v", rank=4,
-                alpha=4),
+                alpha=4, amplitude=1.5),
     DemoAdapter("demo:wan2.1-t2v", "wan2.1-t2v/wan21-t2v-musubi-demo.safetensors", "write_musubi_wan", rank=4,
-                alpha=2),
+                alpha=2, amplitude=1.5),
     DemoAdapter("demo:wan2.2-t2v", "wan2.2-t2v/wan22-t2v-lightx2v-high.safetensors", "write_lightx2v", rank=4,
-                alpha=4),
+                alpha=4, amplitude=1.5),
     DemoAdapter("demo:wan2.2-t2v", "wan2.2-t2v/wan22-t2v-lightx2v-low.safetensors", "write_lightx2v", rank=4,
-                alpha=4),
+                alpha=4, amplitude=1.5),
     DemoAdapter("demo:wan2.2-i2v", "wan2.2-i2v/wan22-i2v-lightx2v-high.safetensors", "write_lightx2v", rank=4,
-                alpha=4),
+                alpha=4, amplitude=1.5),
     DemoAdapter("demo:wan2.2-i2v", "wan2.2-i2v/wan22-i2v-lightx2v-low.safetensors", "write_lightx2v", rank=4,
-                alpha=4),
+                alpha=4, amplitude=1.5),
 )
 
 _ATTN = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")

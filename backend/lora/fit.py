@@ -53,6 +53,7 @@ class FitReport:
     mismatched: list[ShapeMismatch] = field(default_factory=list)
     ignored: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    matched: int = 0  # keys that bind (counted once when one group binds to two experts)
 
     @property
     def ok(self) -> bool:
@@ -60,8 +61,7 @@ class FitReport:
 
     @property
     def matched_keys(self) -> int:
-        # a generic group bound to two experts is still one set of keys
-        return len({k for b in self.bindings.values() for f in b.layers.values() for k in f.keys.values()})
+        return self.matched
 
     def summary(self) -> str:
         if self.ok:
@@ -122,14 +122,17 @@ def fit(converted: ConvertedAdapter, denoisers: dict[str, torch.nn.Module], *, a
         fitting = [c for c in candidates if not results[c][0] and not results[c][1]]
         for c in fitting:
             report.bindings[c] = Binding(c, layers)
-        if not fitting:  # refuse, naming the problems against the first candidate
-            unmatched, mismatched = results[candidates[0]]
-            report.unmatched += unmatched
-            report.mismatched += mismatched
-        else:
+        if fitting:
+            report.matched += sum(len(f.tensors) for f in layers.values())
             for c in candidates:
                 if c not in fitting:
                     report.notes.append(f"{c}: not bound ({len(results[c][0]) + len(results[c][1])} problems)")
+        else:  # refuse, naming the problems against the first candidate
+            unmatched, mismatched = results[candidates[0]]
+            report.unmatched += unmatched
+            report.mismatched += mismatched
+            bad = {k for k, _ in unmatched} | {m.key for m in mismatched}
+            report.matched += sum(1 for f in layers.values() for k in f.keys.values() if k not in bad)
     return report
 
 
