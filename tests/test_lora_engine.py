@@ -335,7 +335,7 @@ def test_failure_mid_activation_rolls_back_every_layer(library, managers, engine
     # before the failing one.
     factors = engine.cache.device.get(1)
     last = sorted(factors)[-1]
-    factors[last] = type(factors[last])(a=torch.zeros(3, 7), b=factors[last].b, bias=None)
+    factors[last] = type(factors[last])(a=torch.zeros(3, 7), b=factors[last].b, bias=None, scaling=1.0)
     with pytest.raises(AdapterError, match=rf"failed at transformer\.{last[1]}.*restored"):
         engine.activate([(a, 1.0)])
     assert checksums(m) == pristine and engine.active == []

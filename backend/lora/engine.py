@@ -34,11 +34,12 @@ from .request import LoRARequest
 
 @dataclass(frozen=True)
 class _DeviceFactors:
-    """Factors ready to merge: fp32 on the device, the adapter's own scaling folded into B."""
+    """Factors ready to merge: fp32 on the weight's device, with the adapter's own scaling."""
 
     a: torch.Tensor
     b: torch.Tensor
     bias: torch.Tensor | None
+    scaling: float
 
 
 class LoRAEngine:
@@ -47,7 +48,8 @@ class LoRAEngine:
         if max_cpu_loras < max_loras:
             raise InvalidParameter(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})",
                                    param="max_cpu_loras")
-        self.pipeline_cls = type(pipeline)
+        # the pipeline (or its class) picks diffusers' converters for non-diffusers layouts
+        self.pipeline_cls = pipeline if isinstance(pipeline, type) else type(pipeline)
         self.denoisers = dict(denoisers)
         self.model = model
         self.cache = TwoTierCache(max_loras, max_cpu_loras)
@@ -57,6 +59,7 @@ class LoRAEngine:
         self._merged: dict[tuple[str, str], tuple] = {}
         self._active_key: tuple = ()
         self._active_meta: list[dict] = []
+        self._scratch_buf: dict = {}
         self._lock = threading.RLock()
         self.counters = {"activations": 0, "noop_activations": 0, "switches": 0, "layers_written": 0,
                          "loads_from_disk": 0, "aliases": 0, "reloads_stale": 0, "rollbacks": 0}
@@ -229,21 +232,33 @@ class LoRAEngine:
             w0 = snap.saved[w_name].to(weight.device, non_blocking=True)
             if not contributions:
                 weight.data.copy_(w0)
-            else:
-                b = torch.cat([f.b * s for f, s in contributions], dim=1)
-                a = torch.cat([f.a for f, _ in contributions], dim=0)
-                if weight.dtype == torch.float32:
-                    torch.addmm(w0, b, a, out=weight.data)
-                else:
-                    weight.data.copy_(torch.addmm(w0.float(), b, a))
+            elif weight.dtype == torch.float32:
+                (first, s0), rest = contributions[0], contributions[1:]
+                torch.addmm(w0, first.b, first.a, alpha=s0 * first.scaling, out=weight.data)
+                for f, s in rest:
+                    weight.data.addmm_(f.b, f.a, alpha=s * f.scaling)
+            else:  # low precision: sum in an fp32 scratch buffer, round once
+                acc = self._scratch(weight)
+                acc.copy_(w0)
+                for f, s in contributions:
+                    acc.addmm_(f.b, f.a, alpha=s * f.scaling)
+                weight.data.copy_(acc)
             if b_name in snap.saved:
                 bias = params[b_name]
                 b0 = snap.saved[b_name].to(bias.device, non_blocking=True)
-                deltas = [f.bias * s for f, s in contributions if f.bias is not None]
-                if deltas:
-                    bias.data.copy_(b0.float() + torch.stack(deltas).sum(0))
-                else:
-                    bias.data.copy_(b0)
+                acc = b0.float()
+                for f, s in contributions:
+                    if f.bias is not None:
+                        acc = acc + f.bias * (s * f.scaling)
+                bias.data.copy_(acc)
+
+    def _scratch(self, weight: torch.Tensor) -> torch.Tensor:
+        """A reused fp32 buffer (no per-switch allocations, so RSS stays flat)."""
+        buf = self._scratch_buf.get(weight.device)
+        if buf is None or buf.numel() < weight.numel():
+            buf = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
+            self._scratch_buf[weight.device] = buf
+        return buf[: weight.numel()].view(weight.shape)
 
     def _capture_pristine(self, work) -> None:
         """Copy, before their first write, exactly the tensors this switch will write."""
@@ -279,9 +294,10 @@ class LoRAEngine:
                         device = self._params[comp][f"{module}.weight"].device
                         bias = f.tensors.get("lora_B.bias")
                         factors[(comp, module)] = _DeviceFactors(
-                            a=f.tensors["lora_A.weight"].to(device, torch.float32),
-                            b=f.tensors["lora_B.weight"].to(device, torch.float32) * f.scaling,
-                            bias=None if bias is None else bias.to(device, torch.float32) * f.scaling)
+                            a=f.tensors["lora_A.weight"].to(device, torch.float32).contiguous(),
+                            b=f.tensors["lora_B.weight"].to(device, torch.float32).contiguous(),
+                            bias=None if bias is None else bias.to(device, torch.float32),
+                            scaling=f.scaling)
                 nbytes = sum(t.numel() * t.element_size() for d in factors.values()
                              for t in (d.a, d.b, d.bias) if t is not None)
                 self.cache.device.put(key, factors, nbytes, keep=keep)
