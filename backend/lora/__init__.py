@@ -26,7 +26,9 @@ def attach(manager, *, max_loras: int = 4, max_cpu_loras: int = 16, preload=None
     paths = [preload] if isinstance(preload, (str, Path)) else list(preload or [])
     for i, path in enumerate(paths):
         p = Path(path)
-        engine.load(LoRARequest(p.name if p.is_dir() else p.stem, PRELOAD_ID_BASE + i, str(path)), pin=True)
+        request = LoRARequest(p.name if p.is_dir() else p.stem, PRELOAD_ID_BASE + i, str(path))
+        engine.load(request, pin=True)
+        engine.preloaded.append(request)  # e.g. for `app.py generate --lora-path P`: request them by default
     manager.lora_engine = engine
     return engine
 

@@ -60,6 +60,7 @@ class LoRAEngine:
         self._active_key: tuple = ()
         self._active_meta: list[dict] = []
         self._scratch_buf: dict = {}
+        self.preloaded: list[LoRARequest] = []  # pinned at start (Omni(lora_path=...))
         self._lock = threading.RLock()
         self.counters = {"activations": 0, "noop_activations": 0, "switches": 0, "layers_written": 0,
                          "loads_from_disk": 0, "aliases": 0, "reloads_stale": 0, "rollbacks": 0}
