@@ -112,6 +112,15 @@ class LoRAEngine:
                 return entry
         return None
 
+    def prepare(self, adapters) -> None:
+        """Read and fit the adapters of a coming request, so activation later is a short device step.
+
+        Safe to call without the manager's lock (it never touches the model): a server worker
+        calls it before ``PipelineManager.generate``.
+        """
+        for request, _ in adapters or []:
+            self.load(request)
+
     def unload(self, name_or_id) -> None:
         """Forget an adapter (both tiers, pin included). Its merged weights stay until the next switch."""
         with self._lock:
