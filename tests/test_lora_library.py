@@ -78,3 +78,16 @@ def test_omni_refuses_a_foreign_preload(library, data_dir):
     with pytest.raises(AdapterError, match=r"wan21-t2v-musubi-demo\.safetensors"):
         Omni(model="demo:sd3.5", lora_path=str(library / "wan2.1-t2v/wan21-t2v-musubi-demo.safetensors"),
              lora_backend="peft", data_dir=data_dir)
+
+
+def test_wan22_i2v_pair_fits_both_experts_from_a_skeleton(library, data_dir):
+    from backend.lora.adapter import fit_adapter
+    from backend.lora.library import denoiser_skeletons
+
+    pipeline_cls, skeleton = denoiser_skeletons("demo:wan2.2-i2v", data_dir)
+    assert pipeline_cls.__name__ == "WanImageToVideoPipeline"
+    assert all(p.device.type == "meta" for m in skeleton.values() for p in m.parameters())
+    for name in ("wan22-i2v-lightx2v-high", "wan22-i2v-lightx2v-low"):
+        report = fit_adapter(library / f"wan2.2-i2v/{name}.safetensors", pipeline_cls, skeleton)
+        assert report.ok and set(report.bindings) == {"transformer", "transformer_2"}
+        assert report.matched_keys == 60 and len(report.ignored) == 6  # zero norm diffs, named
