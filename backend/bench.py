@@ -119,6 +119,18 @@ class LoraBench:
 
     # -- measurements --------------------------------------------------------------------------------
     def run(self):
+        only = self.args.only
+        if only in (None, "timing"):
+            self.timing()
+        if only in (None, "drift"):
+            self.drift()
+        if only in (None, "switches"):
+            self.switches(self.model, torch.float32)
+            self.switches(copy.deepcopy(self.model).to(torch.bfloat16), torch.bfloat16)
+        if only in (None, "rss"):
+            self.rss_diffusers()
+
+    def timing(self):
         a = self.args
         R = a.repeats
         ours_model = self.model
@@ -225,13 +237,9 @@ class LoraBench:
         t_fuse = _mean_time(theirs_fuse, max(2, n // 10))
         t_merge = _mean_time(lambda i: (engine.activate([(self.req(1), 1.0)]), engine.activate([])), max(2, n // 10))
         self.timed("merge + restore vs fuse_lora + unfuse_lora", t_merge, t_fuse)
-        del theirs_model
+        engine.deactivate()
+        del theirs_model, engine
         gc.collect()
-
-        self.drift()
-        self.switches(ours_model, torch.float32)
-        self.switches(copy.deepcopy(ours_model).to(torch.bfloat16), torch.bfloat16)
-        self.rss_diffusers()
 
     def drift(self):
         """bf16: diffusers' fuse/unfuse arithmetic vs our restore from the pristine copy."""
@@ -337,6 +345,7 @@ def main(argv=None) -> int:
     lora.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
     lora.add_argument("--switch-repeats", type=int, default=20)
     lora.add_argument("--switches", type=int, default=1000, help="random switches for the checksum/RSS run")
+    lora.add_argument("--only", choices=["timing", "drift", "switches", "rss"], help="run one section")
     lora.add_argument("--quick", action="store_true", help="a small smoke run (1 layer, 256 tokens, 50 switches)")
     args = parser.parse_args(argv)
     if args.quick:
