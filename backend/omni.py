@@ -51,9 +51,19 @@ class Omni:
         self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir)
         self.manager.load(model)
         self.model = model
-        if lora_path:
+        if lora_path and lora_backend == "distill":
+            # fused once, here; later generate() calls need no LoRARequest
+            self.manager.fuse(lora_path, self.lora_scale)
+        elif lora_path:
             raise StudioError(f"lora_path with lora_backend={lora_backend!r} is not supported yet",
                               param="lora_path")
+
+    def apply_preset(self, preset_id: str) -> dict:
+        """Fuse a distill preset's files (adapter dirs, then the HF cache) and use its defaults."""
+        return self.manager.apply_preset(preset_id, self.adapter_dirs)
+
+    def fused_state(self) -> dict:
+        return self.manager.fused_state()
 
     def generate(self, prompt: str | list[str] | None = None, lora_request: LoRARequest | list | None = None,
                  lora_scale: float | list | dict | None = None, on_step=None, **fields) -> list[OmniOutput]:
