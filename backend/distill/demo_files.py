@@ -29,6 +29,10 @@ from .. import settings
 SUBDIR = "distill"
 RANK = 4
 ALPHA = 8.0  # alpha != rank, so the converters' alpha/rank scaling is exercised
+# Factor std per layout: large enough that the tiny demo model's output visibly changes.
+STD = {"qwen-lightning": 0.25, "lightx2v-wan": 0.3}
+# Bump when the generator changes, so stale stand-ins are rewritten.
+BUILD_VERSION = 2
 
 # diffusers module (under blocks.N.) -> lightx2v / original Wan name
 _WAN_MODULES = {
@@ -78,10 +82,11 @@ def build_state_dict(model_dir: Path, layout: str, component: str, seed: int) ->
     shapes = _shapes(model_dir / component / "diffusion_pytorch_model.safetensors")
     gen = torch.Generator().manual_seed(seed)
 
+    std = STD[layout]
+
     def pair(out_f: int, in_f: int):
-        # |up @ down| ~ rank * 0.01: a visible change on the demo weights, no blow-up.
-        down = torch.randn(RANK, in_f, generator=gen) * 0.1
-        up = torch.randn(out_f, RANK, generator=gen) * 0.1
+        down = torch.randn(RANK, in_f, generator=gen) * std
+        up = torch.randn(out_f, RANK, generator=gen) * std
         return down, up
 
     sd: dict[str, torch.Tensor] = {}
@@ -124,15 +129,26 @@ def write_demo_file(model_id: str, filename: str, component: str = "transformer"
     out_dir = Path(target_dir) if target_dir else demo_dir(data_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / filename
-    if path.is_file():
+    marker = json.dumps({"model": model_id, "layout": layout, "component": component, "rank": RANK,
+                         "alpha": ALPHA, "std": STD[layout], "build_version": BUILD_VERSION}, sort_keys=True)
+    if path.is_file() and _marker(path) == marker:
         return path
     sd = build_state_dict(resolved.path, layout, component, _seed(filename))
-    meta = {"lora_studio_demo": json.dumps({"model": model_id, "layout": layout, "stands_in_for": filename,
-                                            "rank": RANK, "alpha": ALPHA})}
+    meta = {"lora_studio_demo": marker}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(sd, str(tmp), metadata=meta)
     os.replace(tmp, path)  # atomic: a reader never sees half a file
     return path
+
+
+def _marker(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("lora_studio_demo")
+    except Exception:
+        return None
 
 
 def write_all(data_dir=None) -> list[Path]:
