@@ -75,7 +75,7 @@ def _blocks(shapes: dict, prefix: str) -> list[int]:
     return sorted({int(m.group(1)) for k in shapes if (m := pat.match(k))})
 
 
-def build_state_dict(model_dir: Path, layout: str, component: str, seed: int) -> dict:
+def build_state_dict(model_dir: Path, layout: str, component: str, seed: int, rank: int = RANK) -> dict:
     """The LoRA tensors for one stand-in file (keys in the publisher's layout)."""
     import torch
 
@@ -85,8 +85,8 @@ def build_state_dict(model_dir: Path, layout: str, component: str, seed: int) ->
     std = STD[layout]
 
     def pair(out_f: int, in_f: int):
-        down = torch.randn(RANK, in_f, generator=gen) * std
-        up = torch.randn(out_f, RANK, generator=gen) * std
+        down = torch.randn(rank, in_f, generator=gen) * std
+        up = torch.randn(out_f, rank, generator=gen) * std
         return down, up
 
     sd: dict[str, torch.Tensor] = {}
