@@ -200,7 +200,7 @@ class PipelineManager:
 
                 preset = match_files(self.spec.class_name, paths)
             if self.fused_base is None:
-                self.fused_base = FusedBase(self.pipeline, self.spec.class_name, self.denoisers())
+                self.fused_base = FusedBase(self.pipeline, self.spec.class_name, self.denoisers(), self.model_path)
             return self.fused_base.fuse(paths, scales, preset=preset).as_dict()
 
     def restore_base(self) -> None:

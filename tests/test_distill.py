@@ -315,3 +315,29 @@ def test_wan22_preset_applies_routing_defaults(managers):
         m.validate({"prompt": "a cat", "guidance_scale_2": 3.0})
     with pytest.raises(InvalidParameter, match="preset 'wan2.2-t2v-a14b-lightx2v-4step' is for WanPipeline"):
         managers("demo:qwen-image").apply_preset("wan2.2-t2v-a14b-lightx2v-4step")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_base_kept_in_the_checkpoint_restores_bit_exactly(dtype, managers, data_dir):
+    """keep="checkpoint" (what auto picks for multi-GB denoisers) re-reads the base from disk."""
+    from backend.distill import FusedBase
+
+    m = managers("demo:wan2.2-t2v", dtype)
+    high, low = files_for("demo:wan2.2-t2v", data_dir)
+    base = checksums(m)
+    # a layer changed in memory after loading no longer matches its checkpoint: it must be
+    # kept as a CPU copy instead, and still come back exactly
+    q = m.pipeline.transformer.blocks[1].attn1.to_q.weight
+    original = q.detach().clone()
+    with torch.no_grad():
+        q.add_(0.5)
+    changed = checksums(m)
+    fb = FusedBase(m.pipeline, m.spec.class_name, m.denoisers(), m.model_path, keep="checkpoint")
+    state = fb.fuse([high, low])
+    assert 0 < state.snapshot_bytes <= q.numel() * q.element_size() + q.shape[0] * q.element_size()
+    assert all(state.fused_checksums[c] != changed[c] for c in changed)
+    fb.restore()
+    assert checksums(m) == changed
+    with torch.no_grad():
+        q.copy_(original)
+    assert checksums(m) == base

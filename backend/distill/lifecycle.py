@@ -62,6 +62,76 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class CheckpointFiles:
+    """A component's safetensors checkpoint (single file or sharded), read by tensor name."""
+
+    INDEX = "diffusion_pytorch_model.safetensors.index.json"
+    SINGLE = "diffusion_pytorch_model.safetensors"
+
+    def __init__(self, directory: Path):
+        import json
+
+        self.directory = Path(directory)
+        index = self.directory / self.INDEX
+        if index.is_file():
+            self.weight_map = {k: self.directory / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            self.weight_map = None
+            self.single = self.directory / self.SINGLE
+
+    @classmethod
+    def find(cls, directory: Path | None) -> "CheckpointFiles | None":
+        if directory is None:
+            return None
+        d = Path(directory)
+        return cls(d) if (d / cls.INDEX).is_file() or (d / cls.SINGLE).is_file() else None
+
+    def read(self, key: str) -> torch.Tensor | None:
+        from safetensors import safe_open
+
+        path = self.weight_map.get(key) if self.weight_map is not None else self.single
+        if path is None:
+            return None
+        with safe_open(str(path), "pt") as f:
+            return f.get_tensor(key) if key in f.keys() else None
+
+
+class CheckpointCopy:
+    """The base of one layer, re-read from the checkpoint on restore: no CPU copy is kept.
+
+    Same interface as ``WeightSnapshot`` (restore, nbytes). Only used after the checkpoint
+    has been checked to hold exactly the loaded base tensors (same dtype cast as
+    ``from_pretrained``), so a restore from it is bit-exact too.
+    """
+
+    def __init__(self, layer: torch.nn.Module, prefix: str, names: list[str], files: CheckpointFiles):
+        self.layer, self.prefix, self.names, self.files = layer, prefix, names, files
+
+    @classmethod
+    def verified(cls, layer, prefix: str, names: list[str], files: CheckpointFiles) -> "CheckpointCopy | None":
+        for n in names:
+            current = getattr(layer, n)
+            stored = files.read(f"{prefix}.{n}")
+            if stored is None or stored.shape != current.shape or \
+                    not torch.equal(stored.to(current.dtype), current.detach().cpu()):
+                return None
+        return cls(layer, prefix, names, files)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for n in self.names:
+                param = getattr(self.layer, n)
+                param.data.copy_(self.files.read(f"{self.prefix}.{n}").to(param.dtype))
+
+    def nbytes(self) -> int:
+        return 0
+
+
+# Above this size a component's base is re-read from its checkpoint rather than copied to
+# CPU memory (Wan2.2 A14B: ~28 GB per transformer in bf16, nearly all of it touched).
+CHECKPOINT_ABOVE_BYTES = 2 * 2**30
+
+
 def _lora_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -71,13 +141,25 @@ def _lora_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 class FusedBase:
     """Fuse distill files into a pipeline's denoisers and put the exact base back."""
 
-    def __init__(self, pipeline, class_name: str, denoisers: dict[str, torch.nn.Module]):
+    def __init__(self, pipeline, class_name: str, denoisers: dict[str, torch.nn.Module],
+                 model_dir: Path | None = None, keep: str = "auto"):
+        """``keep``: where the base of touched layers is kept for restore: "memory" (CPU
+        copies), "checkpoint" (re-read from ``model_dir/<component>``), or "auto" (the
+        checkpoint for components over CHECKPOINT_ABOVE_BYTES, else memory)."""
+        if keep not in ("auto", "memory", "checkpoint"):
+            raise ValueError(f"keep must be auto, memory or checkpoint, not {keep!r}")
         self.support = support_for(class_name)
         self.pipeline = pipeline
         self.class_name = class_name
         self.denoisers = dict(denoisers)
-        # (component, layer name) -> snapshot of that Linear's weight/bias at base
-        self._snapshots: dict[tuple[str, str], WeightSnapshot] = {}
+        self._checkpoints: dict[str, CheckpointFiles] = {}
+        for name, module in self.denoisers.items():
+            files = CheckpointFiles.find(Path(model_dir) / name) if model_dir is not None else None
+            big = sum(p.numel() * p.element_size() for p in module.parameters()) > CHECKPOINT_ABOVE_BYTES
+            if files is not None and (keep == "checkpoint" or (keep == "auto" and big)):
+                self._checkpoints[name] = files
+        # (component, layer name) -> how to put that Linear's weight/bias back to base
+        self._snapshots: dict[tuple[str, str], WeightSnapshot | CheckpointCopy] = {}
         self._base_checksums: dict[str, str] | None = None
         self.fused: FusedState | None = None
         self.preset = None  # the presets.Preset whose contract applies while fused
@@ -122,11 +204,12 @@ class FusedBase:
         self.preset = preset
         return self.fused
 
-    def restore(self) -> None:
-        """Back to the exact base weights (no reload); verified by checksum."""
+    def restore(self, verify: bool = True) -> None:
+        """Back to the exact base weights (no reload); verified by checksum unless told not to
+        (a full sha256 pass, the larger part of a restore's cost on big models)."""
         if self.fused is None:
             return
-        self._write_back()
+        self._write_back(verify)
         self.fused, self.preset = None, None
 
     def snapshot_bytes(self) -> int:
@@ -152,10 +235,7 @@ class FusedBase:
             for name, layer in layers:  # copy the base before anything writes into it
                 key = (a.component, name)
                 if key not in self._snapshots:
-                    base_layer = layer.get_base_layer()
-                    snap = WeightSnapshot(base_layer)
-                    snap.capture([p for p in ("weight", "bias") if getattr(base_layer, p, None) is not None])
-                    self._snapshots[key] = snap
+                    self._snapshots[key] = self._keep(a.component, name, layer.get_base_layer())
             pipe.fuse_lora(components=[a.component], lora_scale=a.scale, adapter_names=[adapter])
         except StudioError:
             raise
@@ -165,6 +245,18 @@ class FusedBase:
         finally:
             pipe.unload_lora_weights()  # also on failure: no half-loaded adapter stays behind
         return FusedFile(str(a.path), a.component, a.scale, file_sha256(a.path), len(layers))
+
+    def _keep(self, component: str, name: str, base_layer: torch.nn.Module):
+        names = [p for p in ("weight", "bias") if getattr(base_layer, p, None) is not None]
+        files = self._checkpoints.get(component)
+        if files is not None:
+            copy = CheckpointCopy.verified(base_layer, name, names, files)
+            if copy is not None:
+                return copy
+        # no checkpoint, or it does not hold these exact tensors: keep a CPU copy
+        snap = WeightSnapshot(base_layer)
+        snap.capture(names)
+        return snap
 
     def _check_binds(self, a: Assignment, state_dict: dict, module: torch.nn.Module) -> None:
         """Every LoRA key must name a layer of its component (diffusers only warns)."""
@@ -188,9 +280,11 @@ class FusedBase:
         self._write_back()
         self.fused, self.preset = None, None
 
-    def _write_back(self) -> None:
+    def _write_back(self, verify: bool = True) -> None:
         for snap in self._snapshots.values():
             snap.restore()
+        if not verify:
+            return
         base = self.base_checksums()
         now = {n: module_checksum(m) for n, m in self.denoisers.items()}
         bad = [n for n in base if now[n] != base[n]]
