@@ -81,6 +81,8 @@ class PipelineManager:
         self.defaults: dict = {}
         # Set by the PEFT backend: activates the adapters a request names.
         self.lora_engine = None
+        # Set by the distill backend (backend.distill.FusedBase) once files are fused.
+        self.fused_base = None
         self._lock = threading.RLock()
 
     # -- loading ---------------------------------------------------------------------------
@@ -116,6 +118,7 @@ class PipelineManager:
                 return
             self.pipeline = None
             self.lora_engine = None
+            self.fused_base = None
             self.model_id = self.model_path = self.spec = None
             gc.collect()
             if torch.cuda.is_available():
@@ -131,7 +134,9 @@ class PipelineManager:
     def validate(self, request: dict, defaults: dict | None = None) -> dict:
         """Checked parameters for a request (raises InvalidParameter naming the field)."""
         self._require_loaded()
-        params = param_rules.validate(self.spec, request, {**self.defaults, **(defaults or {})})
+        preset = self.fused_base.preset if self.fused_base is not None else None
+        preset_defaults = preset.defaults if preset is not None else {}
+        params = param_rules.validate(self.spec, request, {**self.defaults, **preset_defaults, **(defaults or {})})
         two_stage = "transformer_2" in self.denoisers()
         for name in ("guidance_scale_2", "boundary_ratio"):
             if name in request and request[name] is not None and not two_stage:
@@ -139,6 +144,8 @@ class PipelineManager:
                                        param=name)
         if not two_stage:
             params.pop("guidance_scale_2", None)
+        if preset is not None:
+            preset.check(params)  # a fused few-step LoRA's sampling contract (422 by name)
         return params
 
     def generate(self, request: dict, *, adapters=None, defaults: dict | None = None,
@@ -181,6 +188,53 @@ class PipelineManager:
                                     audio=getattr(output, "audio", None))
         return GenerationResult(images=list(output.images))
 
+    # -- distill: a fused base (backend/distill) ------------------------------------------------
+    def fuse(self, paths, scales=None, *, preset=None) -> dict:
+        """Fuse distill file(s) into the denoisers (one per denoiser, high then low on Wan2.2)."""
+        from .distill import FusedBase
+
+        with self._lock:
+            self._require_loaded()
+            if preset is None:  # files named like a preset's carry its sampling contract
+                from .presets import match_files
+
+                preset = match_files(self.spec.class_name, paths)
+            if self.fused_base is None:
+                self.fused_base = FusedBase(self.pipeline, self.spec.class_name, self.denoisers(), self.model_path)
+            return self.fused_base.fuse(paths, scales, preset=preset).as_dict()
+
+    def restore_base(self) -> None:
+        """Back to the exact base weights, without reloading anything."""
+        with self._lock:
+            if self.fused_base is not None:
+                with self._lora_rebase():
+                    self.fused_base.restore()
+
+    def _lora_rebase(self):
+        """Per-request adapters come off while the base changes, then treat it as pristine."""
+        import contextlib
+
+        return self.lora_engine.rebase() if self.lora_engine is not None else contextlib.nullcontext()
+
+    def fused_state(self) -> dict:
+        """``{"state": "base"}`` or ``{"state": "fused", "files", "scales", "checksums", ...}``."""
+        with self._lock:
+            if self.fused_base is None:
+                return {"state": "base"}
+            return self.fused_base.state()
+
+    def apply_preset(self, preset_id: str, adapter_dirs=None) -> dict:
+        """Resolve a preset's files, fuse them, and return its sampling defaults."""
+        from . import presets
+
+        with self._lock:
+            self._require_loaded()
+            preset = presets.get_preset(preset_id)
+            preset.fits(self.model_id, self.spec.class_name)
+            paths = presets.resolve_files(preset, self.model_id, self.data_dir, adapter_dirs)
+            self.fuse(paths, [f.scale for f in preset.files], preset=preset)
+            return dict(preset.defaults)
+
     def _metadata(self, params: dict, adapters: list, seconds: float) -> dict:
         shown = {k: v for k, v in params.items() if k != "image"}
         if "image" in params:
@@ -188,6 +242,7 @@ class PipelineManager:
         return {
             "model": self.model_id, "pipeline": self.spec.class_name, "seed": params["seed"],
             "params": shown, "adapters": adapters, "backend": "diffusers",
+            "distill": self.fused_base.state() if self.fused_base is not None and self.fused_base.fused else None,
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }

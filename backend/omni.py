@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .demo import DEFAULT_MODEL
-from .errors import InvalidParameter, StudioError
+from .errors import InvalidParameter
 from .lora.request import LoRARequest
 from .manager import GenerationResult, PipelineManager
 from .outputs import save_result
@@ -51,13 +51,22 @@ class Omni:
         self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir)
         self.manager.load(model)
         self.model = model
-        self.lora = None
-        if lora_backend == "peft":  # per-request adapters; lora_path is pre-loaded and pinned
-            from .lora import attach
-            self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras, preload=lora_path)
-        elif lora_path:
-            raise StudioError(f"lora_path with lora_backend={lora_backend!r} is not supported yet",
-                              param="lora_path")
+        if lora_backend == "distill" and lora_path:
+            # fused once, here; later generate() calls need no LoRARequest
+            self.manager.fuse(lora_path, self.lora_scale)
+        # Per-request adapters work on either backend (on top of a fused base they restore to
+        # the fused weights); with peft, lora_path is pre-loaded and pinned.
+        from .lora import attach
+
+        self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+                           preload=lora_path if lora_backend == "peft" else None)
+
+    def apply_preset(self, preset_id: str) -> dict:
+        """Fuse a distill preset's files (adapter dirs, then the HF cache) and use its defaults."""
+        return self.manager.apply_preset(preset_id, self.adapter_dirs)
+
+    def fused_state(self) -> dict:
+        return self.manager.fused_state()
 
     def generate(self, prompt: str | list[str] | None = None, lora_request: LoRARequest | list | None = None,
                  lora_scale: float | list | dict | None = None, on_step=None, **fields) -> list[OmniOutput]:

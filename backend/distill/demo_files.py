@@ -1,0 +1,179 @@
+"""Demo distill files: seeded stand-ins for the publishers' few-step LoRAs.
+
+Each file is written in the publisher's real key layout, so the same converter path
+(diffusers' own ``lora_state_dict``) runs on them as on the real download:
+
+- lightx2v Wan (``lightx2v/Wan2.1-Distill-Loras``, ``lightx2v/Wan2.2-Distill-Loras``):
+  ``diffusion_model.blocks.N.{self_attn,cross_attn}.{q,k,v,o}`` and ``ffn.{0,2}`` with
+  ``lora_down.weight`` / ``lora_up.weight`` / ``alpha``, plus ``diff_b`` (a bias delta)
+  on some modules only.
+- Qwen-Image-Lightning (``lightx2v/Qwen-Image-2512-Lightning``): bare
+  ``transformer_blocks.N.<diffusers module>.lora_down.weight`` / ``lora_up.weight`` / ``alpha``.
+
+Shapes are read from the demo model's own checkpoint, and the seed from the file name,
+so the same name gives the same bytes on every machine.
+
+    python -m backend.distill.demo_files [--data-dir DIR]    # writes every preset's stand-ins
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+from .. import settings
+
+# Where generated stand-ins live: inside the default adapter library, in their own folder.
+SUBDIR = "distill"
+RANK = 4
+ALPHA = 8.0  # alpha != rank, so the converters' alpha/rank scaling is exercised
+# Factor std per layout: large enough that the tiny demo model's output visibly changes.
+STD = {"qwen-lightning": 0.25, "lightx2v-wan": 0.3}
+# Bump when the generator changes, so stale stand-ins are rewritten.
+BUILD_VERSION = 2
+
+# diffusers module (under blocks.N.) -> lightx2v / original Wan name
+_WAN_MODULES = {
+    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o",
+    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o",
+    "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
+}
+# modules that carry a diff_b in the demo files (lightx2v ships it on only some of them)
+_WAN_DIFF_B = ("self_attn.o", "ffn.0")
+
+_QWEN_MODULES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                 "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj",
+                 "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+
+LAYOUTS = {"QwenImagePipeline": "qwen-lightning", "WanPipeline": "lightx2v-wan",
+           "WanImageToVideoPipeline": "lightx2v-wan"}
+
+
+def demo_dir(data_dir=None) -> Path:
+    path = settings.adapters_dir(data_dir) / SUBDIR
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _seed(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+
+
+def _shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def _blocks(shapes: dict, prefix: str) -> list[int]:
+    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.")
+    return sorted({int(m.group(1)) for k in shapes if (m := pat.match(k))})
+
+
+def build_state_dict(model_dir: Path, layout: str, component: str, seed: int, rank: int = RANK) -> dict:
+    """The LoRA tensors for one stand-in file (keys in the publisher's layout)."""
+    import torch
+
+    shapes = _shapes(model_dir / component / "diffusion_pytorch_model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+
+    std = STD[layout]
+
+    def pair(out_f: int, in_f: int):
+        down = torch.randn(rank, in_f, generator=gen) * std
+        up = torch.randn(out_f, rank, generator=gen) * std
+        return down, up
+
+    sd: dict[str, torch.Tensor] = {}
+    if layout == "lightx2v-wan":
+        for i in _blocks(shapes, "blocks"):
+            for module, orig in _WAN_MODULES.items():
+                out_f, in_f = shapes[f"blocks.{i}.{module}.weight"]
+                down, up = pair(out_f, in_f)
+                key = f"diffusion_model.blocks.{i}.{orig}"
+                sd[f"{key}.lora_down.weight"], sd[f"{key}.lora_up.weight"] = down, up
+                sd[f"{key}.alpha"] = torch.tensor(ALPHA)
+                if orig in _WAN_DIFF_B and i % 2 == 0:
+                    sd[f"{key}.diff_b"] = torch.randn(out_f, generator=gen) * 0.05
+    elif layout == "qwen-lightning":
+        for i in _blocks(shapes, "transformer_blocks"):
+            for module in _QWEN_MODULES:
+                out_f, in_f = shapes[f"transformer_blocks.{i}.{module}.weight"]
+                down, up = pair(out_f, in_f)
+                key = f"transformer_blocks.{i}.{module}"
+                sd[f"{key}.lora_down.weight"], sd[f"{key}.lora_up.weight"] = down, up
+                sd[f"{key}.alpha"] = torch.tensor(ALPHA)
+    else:
+        raise ValueError(f"unknown demo LoRA layout {layout!r}")
+    # publishers ship bf16
+    return {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}
+
+
+def write_demo_file(model_id: str, filename: str, component: str = "transformer", data_dir=None,
+                    target_dir: Path | None = None) -> Path:
+    """Write (once) the stand-in ``filename`` for demo model ``model_id``; returns its path."""
+    from safetensors.torch import save_file
+
+    from .. import demo
+    from ..models.resolve import resolve_model
+
+    if not demo.is_demo(model_id):
+        raise ValueError(f"demo stand-in files exist only for demo models, not {model_id!r}")
+    resolved = resolve_model(model_id, data_dir)
+    layout = LAYOUTS[resolved.class_name]
+    out_dir = Path(target_dir) if target_dir else demo_dir(data_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / filename
+    marker = json.dumps({"model": model_id, "layout": layout, "component": component, "rank": RANK,
+                         "alpha": ALPHA, "std": STD[layout], "build_version": BUILD_VERSION}, sort_keys=True)
+    if path.is_file() and _marker(path) == marker:
+        return path
+    sd = build_state_dict(resolved.path, layout, component, _seed(filename))
+    meta = {"lora_studio_demo": marker}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(sd, str(tmp), metadata=meta)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    return path
+
+
+def _marker(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("lora_studio_demo")
+    except Exception:
+        return None
+
+
+def write_all(data_dir=None) -> list[Path]:
+    """Every stand-in file every preset names (for ``python -m backend.distill.demo_files``)."""
+    from ..presets import load_presets
+
+    written = []
+    for preset in load_presets():
+        for model_id in preset.demo_models:
+            for f in preset.files:
+                written.append(write_demo_file(model_id, f.demo, f.component, data_dir))
+    return written
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m backend.distill.demo_files",
+                                description="write the demo stand-in distill files for every preset")
+    p.add_argument("--data-dir")
+    args = p.parse_args(argv)
+    for path in write_all(args.data_dir):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,324 @@
+"""Distill presets: ``presets/*.toml`` loaded, validated, and their files resolved.
+
+A preset is data only: the base models it fits, the LoRA files (source repo, filename
+pattern, target component, the demo stand-in's name), sampling defaults, and
+sampling requirements. Validation happens on load, and every error names the file
+and the key. Files are looked up in the adapter directories, then in the local
+Hugging Face cache; nothing is downloaded. For ``demo:`` models the stand-in files
+are generated (seeded), like the demo models themselves.
+"""
+from __future__ import annotations
+
+import fnmatch
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import AdapterNotFound, ContractViolation, InvalidParameter, StudioError
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+
+
+class PresetError(StudioError):
+    """A preset file is malformed (names the file and the key)."""
+
+
+@dataclass(frozen=True)
+class PresetFile:
+    component: str
+    repo: str
+    pattern: str
+    demo: str  # file name of the demo stand-in
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Preset:
+    id: str
+    title: str
+    pipeline: str
+    models: tuple[str, ...]
+    files: tuple[PresetFile, ...]
+    defaults: dict
+    requirements: dict
+    description: str = ""
+    source: Path | None = None
+
+    @property
+    def demo_models(self) -> list[str]:
+        return [m for m in self.models if m.startswith("demo:")]
+
+    def check(self, params: dict) -> None:
+        """Reject a request that breaks a requirement, naming the field (HTTP 422)."""
+        for name, required in self.requirements.items():
+            if name in params and params[name] != required:
+                raise ContractViolation(
+                    f"{name}={params[name]!r} breaks preset {self.id!r}, which requires {name}={required!r} "
+                    f"(its distilled LoRA is trained for that); use {required!r} or go back to the base model",
+                    param=name)
+
+    def fits(self, model_id: str, class_name: str) -> None:
+        if class_name != self.pipeline:
+            raise InvalidParameter(f"preset {self.id!r} is for {self.pipeline}; {model_id} is a {class_name}",
+                                   param="preset")
+        if model_id not in self.models and not Path(model_id).expanduser().exists():
+            raise InvalidParameter(f"preset {self.id!r} fits {', '.join(self.models)}; not {model_id}",
+                                   param="preset")
+
+
+# -- loading and validation -------------------------------------------------------------
+_TOP = {"id": str, "title": str, "pipeline": str, "models": list, "files": list, "defaults": dict,
+        "requirements": dict, "description": str}
+_REQUIRED_TOP = ("id", "title", "pipeline", "models", "files", "defaults", "requirements")
+_FILE = {"component": str, "repo": str, "pattern": str, "demo": str, "scale": (int, float)}
+_REQUIRED_FILE = ("component", "repo", "pattern", "demo")
+
+
+def load_preset(path: Path) -> Preset:
+    path = Path(path)
+    where = path.name
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise PresetError(f"{where}: not valid TOML ({exc})", param="preset") from None
+    _keys(where, data, _TOP, _REQUIRED_TOP, "")
+    if data["id"] != path.stem:
+        raise PresetError(f"{where}: key 'id' is {data['id']!r} but must match the file name {path.stem!r}",
+                          param="id")
+    from .models.registry import SPECS
+
+    spec = SPECS.get(data["pipeline"])
+    if spec is None:
+        raise PresetError(f"{where}: key 'pipeline' {data['pipeline']!r} is not a supported pipeline "
+                          f"({', '.join(sorted(SPECS))})", param="pipeline")
+    models = data["models"]
+    if not models or not all(isinstance(m, str) and m for m in models):
+        raise PresetError(f"{where}: key 'models' must be a non-empty list of model ids", param="models")
+    files = []
+    for i, entry in enumerate(data["files"]):
+        ctx = f"files[{i}]."
+        if not isinstance(entry, dict):
+            raise PresetError(f"{where}: key 'files[{i}]' must be a table", param="files")
+        _keys(where, entry, _FILE, _REQUIRED_FILE, ctx)
+        if entry["component"] not in spec.denoisers:
+            raise PresetError(f"{where}: key '{ctx}component' {entry['component']!r} is not a denoiser of "
+                              f"{spec.class_name} ({', '.join(spec.denoisers)})", param="component")
+        if "/" not in entry["repo"]:
+            raise PresetError(f"{where}: key '{ctx}repo' {entry['repo']!r} is not a Hugging Face repo id "
+                              f"(owner/name)", param="repo")
+        for name in ("pattern", "demo"):
+            if not entry[name].endswith(".safetensors") or "/" in entry[name]:
+                raise PresetError(f"{where}: key '{ctx}{name}' {entry[name]!r} must be a .safetensors file name",
+                                  param=name)
+        if not fnmatch.fnmatchcase(entry["demo"], entry["pattern"]):
+            raise PresetError(f"{where}: key '{ctx}demo' {entry['demo']!r} does not match its pattern "
+                              f"{entry['pattern']!r} (a stand-in is named like the real file)", param="demo")
+        files.append(PresetFile(entry["component"], entry["repo"], entry["pattern"], entry["demo"],
+                                float(entry.get("scale", 1.0))))
+    if not files:
+        raise PresetError(f"{where}: key 'files' must list at least one file", param="files")
+    order = [f.component for f in files]
+    if order != list(spec.denoisers[:len(order)]) or len(set(order)) != len(order):
+        raise PresetError(f"{where}: key 'files' must list one file per component in the order "
+                          f"{', '.join(spec.denoisers)}; got {', '.join(order)}", param="files")
+    defaults = _fields(where, "defaults", data["defaults"], spec)
+    requirements = _fields(where, "requirements", data["requirements"], spec)
+    for name, value in requirements.items():
+        if name in defaults and defaults[name] != value:
+            raise PresetError(f"{where}: key 'defaults.{name}' = {defaults[name]!r} breaks "
+                              f"'requirements.{name}' = {value!r}", param=name)
+    return Preset(data["id"], data["title"], data["pipeline"], tuple(models), tuple(files), defaults,
+                  requirements, data.get("description", ""), path)
+
+
+def _keys(where: str, data: dict, allowed: dict, required, ctx: str) -> None:
+    for key in data:
+        if key not in allowed:
+            raise PresetError(f"{where}: unknown key '{ctx}{key}' (allowed: {', '.join(allowed)})", param=key)
+    for key in required:
+        if key not in data:
+            raise PresetError(f"{where}: missing key '{ctx}{key}'", param=key)
+    for key, value in data.items():
+        kind = allowed[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            raise PresetError(f"{where}: key '{ctx}{key}' must be {' or '.join(k.__name__ for k in kinds)}, "
+                              f"got {value!r}", param=key)
+
+
+def _fields(where: str, table: str, values: dict, spec) -> dict:
+    """Sampling fields, checked by the same rules a request is checked by."""
+    from . import params as param_rules
+
+    out = {}
+    for name, value in values.items():
+        if name not in spec.fields or name in ("prompt", "image", "seed"):
+            raise PresetError(f"{where}: unknown key '{table}.{name}' for {spec.class_name}", param=name)
+        try:
+            out[name] = param_rules._check(name, value)
+        except InvalidParameter as exc:
+            raise PresetError(f"{where}: bad value for '{table}.{name}': {exc.message}", param=name) from None
+    return out
+
+
+def load_presets(directory: Path | None = None) -> list[Preset]:
+    directory = Path(directory) if directory else PRESETS_DIR
+    presets = [load_preset(p) for p in sorted(directory.glob("*.toml"))]
+    return presets
+
+
+def get_preset(preset_id: str, directory: Path | None = None) -> Preset:
+    directory = Path(directory) if directory else PRESETS_DIR
+    path = directory / f"{preset_id}.toml"
+    if not path.is_file():
+        known = ", ".join(p.stem for p in sorted(directory.glob("*.toml")))
+        raise InvalidParameter(f"unknown preset {preset_id!r}; available: {known}", param="preset")
+    return load_preset(path)
+
+
+def match_files(class_name: str, paths) -> Preset | None:
+    """The preset whose files these are (by name, in order), so a plain ``--lora-path`` fuse
+    gets the same sampling defaults and requirements as ``--preset``."""
+    names = [Path(p).name for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    for preset in load_presets():
+        if preset.pipeline != class_name or len(preset.files) != len(names):
+            continue
+        if all(fnmatch.fnmatchcase(n, f.pattern) for n, f in zip(names, preset.files)):
+            return preset
+    return None
+
+
+# -- file resolution --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Located:
+    file: PresetFile
+    path: Path | None
+    where: str  # "adapter-dir" | "hf-cache" | "demo" | "missing"
+
+
+def _roots(data_dir, adapter_dirs) -> list[Path]:
+    from . import settings
+
+    roots = [Path(d).expanduser() for d in (adapter_dirs or [])]
+    roots.append(settings.adapters_dir(data_dir))
+    return [r for r in roots if r.is_dir()]
+
+
+def _is_demo_standin(path: Path) -> bool:
+    """Generated stand-ins carry a marker in their header; they never stand in for a real model."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return "lora_studio_demo" in (f.metadata() or {})
+    except Exception:  # unreadable: let the fuse report it, naming the file
+        return False
+
+
+def _in_roots(name_pattern: str, roots: list[Path], demo: bool = False) -> Path | None:
+    for root in roots:
+        hits = sorted(p for p in root.rglob("*.safetensors") if fnmatch.fnmatchcase(p.name, name_pattern)
+                      and (demo or not _is_demo_standin(p)))
+        if hits:
+            return hits[-1]  # several versions (V1.0, V2.0): the highest name
+    return None
+
+
+def _in_hf_cache(repo: str, pattern: str, cache_dir=None) -> Path | None:
+    """The newest cached file matching ``pattern`` in ``repo``; never touches the network."""
+    from huggingface_hub import scan_cache_dir, try_to_load_from_cache
+    from huggingface_hub.errors import CacheNotFound
+
+    if not any(ch in pattern for ch in "*?["):
+        hit = try_to_load_from_cache(repo, pattern, cache_dir=cache_dir)
+        return Path(hit) if isinstance(hit, str) else None
+    try:
+        info = scan_cache_dir(cache_dir)
+    except CacheNotFound:
+        return None
+    for cached in info.repos:
+        if cached.repo_id != repo or cached.repo_type != "model":
+            continue
+        for rev in sorted(cached.revisions, key=lambda r: r.last_modified, reverse=True):
+            hits = sorted(f.file_path for f in rev.files if fnmatch.fnmatchcase(f.file_name, pattern))
+            if hits:
+                return Path(hits[-1])
+    return None
+
+
+def locate(preset: Preset, model_id: str, data_dir=None, adapter_dirs=None, hf_cache_dir=None,
+           create_demo: bool = False) -> list[Located]:
+    """Where each of the preset's files is (or that it is missing), for ``model_id``."""
+    roots = _roots(data_dir, adapter_dirs)
+    found = []
+    for f in preset.files:
+        if model_id.startswith("demo:"):
+            path = _in_roots(f.demo, roots, demo=True)
+            if path is None and create_demo:
+                from .distill.demo_files import write_demo_file
+
+                path = write_demo_file(model_id, f.demo, f.component, data_dir)
+            found.append(Located(f, path, "demo" if path else "missing"))
+            continue
+        path = _in_roots(f.pattern, roots)
+        if path is not None:
+            found.append(Located(f, path, "adapter-dir"))
+            continue
+        path = _in_hf_cache(f.repo, f.pattern, hf_cache_dir)
+        found.append(Located(f, path, "hf-cache" if path else "missing"))
+    return found
+
+
+def resolve_files(preset: Preset, model_id: str, data_dir=None, adapter_dirs=None, hf_cache_dir=None) -> list[Path]:
+    """The preset's files for ``model_id``, in component order; a missing one names repo and filename."""
+    located = locate(preset, model_id, data_dir, adapter_dirs, hf_cache_dir, create_demo=True)
+    for loc in located:
+        if loc.path is None:
+            raise AdapterNotFound(
+                f"preset {preset.id!r}: no file matching {loc.file.pattern!r} for {loc.file.component} in the "
+                f"adapter dirs or the Hugging Face cache; fetch it with `huggingface-cli download "
+                f"{loc.file.repo} --include '{loc.file.pattern}'` or put it in an --adapter-dir",
+                param="preset")
+    return [loc.path for loc in located]
+
+
+def list_presets(data_dir=None, adapter_dirs=None, hf_cache_dir=None) -> list[dict]:
+    """Rows for ``app.py presets`` and the UI: each preset, and per file whether it is present.
+
+    For the demo model the stand-ins are reported as generated on use (they always are).
+    """
+    rows = []
+    for preset in load_presets():
+        real = [m for m in preset.models if not m.startswith("demo:")]
+        located = locate(preset, real[0], data_dir, adapter_dirs, hf_cache_dir) if real else []
+        rows.append({
+            "id": preset.id, "title": preset.title, "pipeline": preset.pipeline, "models": list(preset.models),
+            "defaults": dict(preset.defaults), "requirements": dict(preset.requirements),
+            "files": [{"component": loc.file.component, "repo": loc.file.repo, "pattern": loc.file.pattern,
+                       "present": loc.path is not None, "path": str(loc.path) if loc.path else None,
+                       "where": loc.where, "demo": loc.file.demo} for loc in located],
+            "ready": bool(located) and all(loc.path is not None for loc in located),
+        })
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The text ``python app.py presets`` prints."""
+    lines = []
+    for row in rows:
+        state = "ready" if row["ready"] else "files missing"
+        lines.append(f"{row['id']}  ({row['pipeline']}; {state})")
+        lines.append(f"  {row['title']}")
+        lines.append(f"  models: {', '.join(row['models'])}")
+        lines.append(f"  defaults: {_kv(row['defaults'])}")
+        lines.append(f"  requires: {_kv(row['requirements'])}")
+        for f in row["files"]:
+            mark = f"present ({f['where']}): {f['path']}" if f["present"] else \
+                f"MISSING: huggingface-cli download {f['repo']} --include '{f['pattern']}'"
+            lines.append(f"  {f['component']}: {f['repo']} {f['pattern']}  {mark}")
+        lines.append(f"  demo stand-in(s), generated on use: {', '.join(f['demo'] for f in row['files'])}")
+    return "\n".join(lines)
+
+
+def _kv(d: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items()) or "-"
