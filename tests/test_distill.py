@@ -341,3 +341,35 @@ def test_base_kept_in_the_checkpoint_restores_bit_exactly(dtype, managers, data_
     with torch.no_grad():
         q.copy_(original)
     assert checksums(m) == base
+
+
+def test_our_peft_engine_on_a_fused_base_comes_back_to_the_fused_weights(managers, data_dir):
+    """The per-request engine treats the fused weights as its base, and a fuse/restore
+    while an adapter is active neither loses the fuse nor leaks the adapter into it."""
+    from backend.lora import attach, demo_adapters
+    from backend.lora.request import LoRARequest
+
+    m = managers("demo:wan2.1-t2v")
+    base = checksums(m)
+    engine = attach(m)
+    style = demo_adapters.for_model("demo:wan2.1-t2v", data_dir)[0]
+    adapter = [(LoRARequest("style", 1, str(style)), 1.0)]
+    req = request_for("demo:wan2.1-t2v", None)
+    try:
+        fused_sums = m.fuse(files_for("demo:wan2.1-t2v", data_dir))["checksums"]
+        fused = pixels(m.generate(req))
+        styled = pixels(m.generate(req, adapters=adapter))
+        assert np.abs(styled - fused).mean() > 1.0
+        assert checksums(m) != fused_sums  # the adapter is merged in while active
+        assert np.array_equal(pixels(m.generate(req)), fused)
+        assert checksums(m) == fused_sums
+        m.generate(req, adapters=adapter)
+        m.restore_base()  # with the adapter active: it comes off, then the fuse
+        assert checksums(m) == base
+        m.generate(req, adapters=adapter)  # now on the raw base
+        m.generate(req)
+        assert checksums(m) == base
+    finally:
+        m.lora_engine = None
+        m.restore_base()
+    assert checksums(m) == base
