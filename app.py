@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""LoRA Studio: the one entry point.
+
+    python app.py [serve] [MODEL] ...      the UI + HTTP API (default model: demo:qwen-image)
+    python app.py generate --model M --prompt TEXT ...
+    python app.py adapters [--model M]     the adapter library and how each fits M
+    python app.py presets                  distill presets and which files are present
+
+Bad flags, files or values exit 2 with one line naming what is wrong.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+COMMANDS = ("serve", "generate", "adapters", "presets")
+DEFAULT_MODEL = "demo:qwen-image"  # backend.demo.DEFAULT_MODEL, without importing torch here
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the problem (exit 2)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", help="where models, adapters, outputs and the job queue live "
+                                      "(default: $LORA_STUDIO_HOME or ~/.cache/lora-studio)")
+    p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
+                   help="an adapter library root (repeatable); <data-dir>/adapters is always included")
+
+
+def _lora(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-backend", choices=("peft", "distill"), default="peft",
+                   help="peft: adapters per request; distill: fuse --lora-path into the base at start")
+    p.add_argument("--lora-path", nargs="+", metavar="P", help="adapter file(s) or PEFT folder(s)")
+    p.add_argument("--lora-scale", type=float, default=1.0, metavar="S")
+    p.add_argument("--preset", metavar="ID", help="a distill preset from presets/ (see `app.py presets`)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="app.py", description="LoRA Studio: diffusion models with LoRA adapters.")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,adapters,presets}",
+                                parser_class=OneLineParser)
+
+    serve = sub.add_parser("serve", help="serve the UI and the HTTP API (default)")
+    serve.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=7860)
+    serve.add_argument("--share", action="store_true", help="a public Gradio link (requires --auth)")
+    serve.add_argument("--auth", metavar="USER:PASS", help="require this login for the UI")
+    serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--max-loras", type=int, default=4, metavar="N", help="adapters resident on the device")
+    serve.add_argument("--max-cpu-loras", type=int, default=16, metavar="N", help="adapters held in CPU memory")
+    serve.add_argument("--max-queue", type=int, default=256, metavar="N", help="queued jobs before 429")
+    _lora(serve)
+    _common(serve)
+
+    gen = sub.add_parser("generate", help="generate one image or video")
+    gen.add_argument("--model", default=DEFAULT_MODEL)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--negative-prompt")
+    gen.add_argument("--image", help="input image (image-to-video)")
+    gen.add_argument("--num-frames", type=int)
+    gen.add_argument("--num-inference-steps", type=int)
+    gen.add_argument("--height", type=int)
+    gen.add_argument("--width", type=int)
+    gen.add_argument("--fps", type=int)
+    gen.add_argument("--flow-shift", type=float)
+    gen.add_argument("--sample-solver", choices=("euler", "unipc"))
+    gen.add_argument("--guidance-scale", type=float)
+    gen.add_argument("--guidance-scale-high", type=float,
+                     help="Wan2.2: the second guidance scale (diffusers' guidance_scale_2), as in vLLM-Omni")
+    gen.add_argument("--boundary-ratio", type=float)
+    gen.add_argument("--true-cfg-scale", type=float)
+    gen.add_argument("--seed", type=int, default=42)
+    gen.add_argument("--output", help="output path (.png or .mp4); default: <data-dir>/outputs/")
+    _lora(gen)
+    _common(gen)
+
+    adapters = sub.add_parser("adapters", help="list the adapter library and its fit for a model")
+    adapters.add_argument("--model", help="report each adapter's fit against this model")
+    _common(adapters)
+
+    presets = sub.add_parser("presets", help="list distill presets and which files are present")
+    _common(presets)
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    # `python app.py [MODEL] --flags` means serve.
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]
+    return build_parser().parse_args(argv)
+
+
+GENERATION_FLAGS = {  # CLI flag (dest) -> generation field
+    "negative_prompt": "negative_prompt", "image": "image", "num_frames": "num_frames",
+    "num_inference_steps": "num_inference_steps", "height": "height", "width": "width", "fps": "fps",
+    "flow_shift": "flow_shift", "sample_solver": "sample_solver", "guidance_scale": "guidance_scale",
+    "guidance_scale_high": "guidance_scale_2", "boundary_ratio": "boundary_ratio",
+    "true_cfg_scale": "true_cfg_scale", "seed": "seed",
+}
+
+
+def cmd_generate(args) -> int:
+    from tqdm import tqdm
+
+    from backend import Omni
+
+    omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
+                lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
+                data_dir=args.data_dir, adapter_dirs=args.adapter_dir)
+    fields = {field: getattr(args, flag) for flag, field in GENERATION_FLAGS.items()
+              if getattr(args, flag) is not None}
+    bars = []
+
+    def on_step(step, total):
+        if not bars:  # created on the first step, so a rejected request prints no bar
+            bars.append(tqdm(total=total, desc="denoising", unit="step", leave=False))
+        bars[0].update(step - bars[0].n)
+
+    try:
+        output = omni.generate(prompt=args.prompt, on_step=on_step, **fields)[0]
+    finally:
+        for bar in bars:
+            bar.close()
+    path = output.save(args.output, data_dir=args.data_dir)
+    print(path)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    print("the server arrives with the job queue; for now use `python app.py generate`", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    from backend.errors import StudioError
+
+    handlers = {"generate": cmd_generate, "serve": cmd_serve}
+    try:
+        return handlers[args.command](args)
+    except StudioError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

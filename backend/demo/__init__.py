@@ -1,0 +1,119 @@
+"""Embedded demo models: tiny pipelines built offline from configs with seeded weights.
+
+``ensure(model_id)`` materializes a demo model once, in diffusers layout, under
+``<data-dir>/models/``; from then on it is loaded by the pipeline class's own
+``from_pretrained`` like any checkpoint. Building is deterministic: the same id gives
+the same bytes on every machine (seeded weights, sorted tokenizer vocabularies,
+pinned library versions).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock
+
+from .. import settings
+from ..errors import ModelNotFound
+
+# Bump when a builder changes, so stale materializations are rebuilt.
+BUILD_VERSION = 1
+# Written next to model_index.json: sampling defaults sized for the model, read by the
+# model loader for any directory that has one (a real checkpoint simply has none).
+DEFAULTS_FILE = "lora_studio.json"
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    id: str
+    builder: str  # "module:function", imported lazily so listing demos costs nothing
+    stands_in_for: str
+    defaults: str  # "module:NAME" of the defaults dict
+
+    def build(self):
+        return _resolve(self.builder)()
+
+    def sampling_defaults(self) -> dict:
+        return dict(_resolve(self.defaults))
+
+
+def _resolve(ref: str):
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+DEMO_MODELS: dict[str, DemoModel] = {m.id: m for m in [
+    DemoModel("demo:qwen-image", "qwen:build", "Qwen/Qwen-Image-2512", "qwen:DEFAULTS"),
+    DemoModel("demo:sd3.5", "sd3:build", "stabilityai/stable-diffusion-3.5-medium", "sd3:DEFAULTS"),
+    DemoModel("demo:wan2.1-t2v", "wan:build_wan21_t2v", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan:DEFAULTS_T2V"),
+    DemoModel("demo:wan2.2-t2v", "wan:build_wan22_t2v", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan:DEFAULTS_22"),
+    DemoModel("demo:wan2.2-i2v", "wan:build_wan22_i2v", "Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan:DEFAULTS_22"),
+]}
+
+DEFAULT_MODEL = "demo:qwen-image"
+
+
+def is_demo(model_id: str) -> bool:
+    return model_id.startswith("demo:")
+
+
+def register(model: DemoModel) -> None:
+    """Add a demo model defined in another module (e.g. MiniMax-H3)."""
+    DEMO_MODELS[model.id] = model
+
+
+def ensure(model_id: str, data_dir: str | os.PathLike | None = None) -> Path:
+    """Return the diffusers directory of a demo model, building it on first use."""
+    demo = DEMO_MODELS.get(model_id)
+    if demo is None:
+        raise ModelNotFound(f"unknown demo model {model_id!r}; available: {', '.join(DEMO_MODELS)}",
+                            param="model")
+    target = settings.models_dir(data_dir) / model_id.replace(":", "-")
+    marker = target / ".demo-build"
+    if _is_current(marker, demo):
+        return target
+    # A lock so concurrent processes (server worker, tests, CLI) build it once.
+    with FileLock(str(target) + ".lock"):
+        if _is_current(marker, demo):
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            _write(demo, tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _is_current(marker: Path, demo: DemoModel) -> bool:
+    try:
+        return json.loads(marker.read_text()) == _marker(demo)
+    except (OSError, ValueError):
+        return False
+
+
+def _marker(demo: DemoModel) -> dict:
+    return {"id": demo.id, "build_version": BUILD_VERSION}
+
+
+def _write(demo: DemoModel, out: Path) -> None:
+    import torch  # heavy; only needed when building
+
+    from ..manager import quiet_libraries
+
+    quiet_libraries()
+    with torch.random.fork_rng(devices=[]):
+        pipe = demo.build()
+    pipe.save_pretrained(out, safe_serialization=True)
+    (out / DEFAULTS_FILE).write_text(json.dumps(
+        {"stands_in_for": demo.stands_in_for, "defaults": demo.sampling_defaults()}, indent=2, sort_keys=True))
+    (out / ".demo-build").write_text(json.dumps(_marker(demo)))

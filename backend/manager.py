@@ -1,0 +1,249 @@
+"""PipelineManager: the one object that owns a loaded pipeline on a device.
+
+Everything that touches the device goes through here: loading and unloading a
+model, running a generation with per-step progress and cancellation, and (through
+the LoRA engine the PEFT backend attaches) activating adapters for a request.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import params as param_rules
+from .errors import Cancelled, CorruptModel, InvalidParameter, StudioError, UnsupportedModel
+from .models import resolve_model, spec_for
+from .models.registry import PipelineSpec
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+StepCallback = Callable[[int, int], None]
+
+
+def quiet_libraries() -> None:
+    """Our own progress reporting replaces the libraries' per-component bars and notices."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+@dataclass
+class GenerationResult:
+    images: list | None = None  # list[PIL.Image]
+    frames: list | None = None  # list[PIL.Image], one per video frame
+    fps: int | None = None
+    audio: Any = None  # (np.ndarray [samples, channels], sample_rate)
+    metadata: dict = field(default_factory=dict)
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InvalidParameter(f"unknown device {device!r} (use auto, cpu, cuda or cuda:N)", param="device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameter(f"device {device!r} requested but CUDA is not available", param="device")
+    return dev
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise InvalidParameter(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}", param="dtype")
+    return DTYPES[dtype]
+
+
+class PipelineManager:
+    def __init__(self, *, device: str | None = None, dtype: str | None = None, data_dir=None):
+        quiet_libraries()
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.data_dir = data_dir
+        self.model_id: str | None = None
+        self.model_path = None
+        self.pipeline = None
+        self.spec: PipelineSpec | None = None
+        self.defaults: dict = {}
+        # Set by the PEFT backend: activates the adapters a request names.
+        self.lora_engine = None
+        self._lock = threading.RLock()
+
+    # -- loading ---------------------------------------------------------------------------
+    def load(self, model_id: str) -> None:
+        with self._lock:
+            resolved = resolve_model(model_id, self.data_dir)
+            spec = spec_for(resolved.class_name)
+            pipeline = self._from_pretrained(resolved)
+            self.unload()
+            self.pipeline, self.spec = pipeline, spec
+            self.model_id, self.model_path = model_id, resolved.path
+            self.defaults = dict(resolved.defaults)
+
+    def _from_pretrained(self, resolved):
+        import diffusers
+
+        cls = getattr(diffusers, resolved.class_name, None)
+        if cls is None:
+            raise UnsupportedModel(f"diffusers {diffusers.__version__} has no pipeline {resolved.class_name!r}",
+                                   param="model")
+        try:
+            pipe = cls.from_pretrained(resolved.path, dtype=self.dtype)
+        except Exception as exc:  # a broken checkpoint: say which directory and why, in one line
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+            raise CorruptModel(f"could not load {resolved.path}: {msg}", param="model") from exc
+        pipe.to(self.device)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def unload(self) -> None:
+        with self._lock:
+            if self.pipeline is None:
+                return
+            self.pipeline = None
+            self.lora_engine = None
+            self.model_id = self.model_path = self.spec = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def denoisers(self) -> dict[str, torch.nn.Module]:
+        """The loaded pipeline's denoising modules, by component name."""
+        self._require_loaded()
+        return {name: getattr(self.pipeline, name) for name in self.spec.denoisers
+                if getattr(self.pipeline, name, None) is not None}
+
+    # -- generation ------------------------------------------------------------------------
+    def validate(self, request: dict, defaults: dict | None = None) -> dict:
+        """Checked parameters for a request (raises InvalidParameter naming the field)."""
+        self._require_loaded()
+        params = param_rules.validate(self.spec, request, {**self.defaults, **(defaults or {})})
+        two_stage = "transformer_2" in self.denoisers()
+        for name in ("guidance_scale_2", "boundary_ratio"):
+            if name in request and request[name] is not None and not two_stage:
+                raise InvalidParameter(f"{name!r} needs a two-transformer model (Wan2.2); {self.model_id} has one",
+                                       param=name)
+        if not two_stage:
+            params.pop("guidance_scale_2", None)
+        return params
+
+    def generate(self, request: dict, *, adapters=None, defaults: dict | None = None,
+                 on_step: StepCallback | None = None, cancel: threading.Event | None = None) -> GenerationResult:
+        with self._lock:
+            params = self.validate(request, defaults)
+            if adapters and self.lora_engine is None:
+                raise StudioError("per-request LoRA adapters are not supported by this backend yet",
+                                  param="lora_request")
+            started = time.time()
+            applied = self.lora_engine.activate(adapters or []) if self.lora_engine is not None else []
+            with self._scheduler_for(params), self._boundary_for(params):
+                output = self._run(params, on_step, cancel)
+            result = self._collect(output, params)
+            result.metadata = self._metadata(params, applied, time.time() - started)
+            return result
+
+    def _run(self, params: dict, on_step, cancel):
+        pipe = self.pipeline
+        kwargs = {k: v for k, v in params.items()
+                  if k not in ("seed", "fps", "flow_shift", "sample_solver", "boundary_ratio")}
+        total = params.get("num_inference_steps")
+
+        def step_end(pipeline, i, t, tensors):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("generation cancelled")
+            if on_step is not None:
+                on_step(i + 1, total)
+            return tensors
+
+        generator = torch.Generator(device="cpu").manual_seed(params["seed"])
+        output_type = "pil"
+        with torch.inference_mode():
+            return pipe(**kwargs, generator=generator, output_type=output_type, callback_on_step_end=step_end)
+
+    def _collect(self, output, params: dict) -> GenerationResult:
+        if self.spec.is_video:
+            frames = output.frames[0]
+            return GenerationResult(frames=list(frames), fps=params.get("fps", 16),
+                                    audio=getattr(output, "audio", None))
+        return GenerationResult(images=list(output.images))
+
+    def _metadata(self, params: dict, adapters: list, seconds: float) -> dict:
+        shown = {k: v for k, v in params.items() if k != "image"}
+        if "image" in params:
+            shown["image_sha256"] = hashlib.sha256(params["image"].tobytes()).hexdigest()
+        return {
+            "model": self.model_id, "pipeline": self.spec.class_name, "seed": params["seed"],
+            "params": shown, "adapters": adapters, "backend": "diffusers",
+            "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+            "seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+
+    # -- per-request scheduler / routing overrides ---------------------------------------------
+    def _scheduler_for(self, params: dict):
+        return _Swap(self.pipeline, "scheduler", self._make_scheduler(params))
+
+    def _make_scheduler(self, params: dict):
+        solver, shift = params.get("sample_solver"), params.get("flow_shift")
+        if solver is None and shift is None:
+            return None
+        from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+        config = dict(self.pipeline.scheduler.config)
+        current = "unipc" if isinstance(self.pipeline.scheduler, UniPCMultistepScheduler) else "euler"
+        solver = solver or current
+        if shift is None:
+            shift = config.get("flow_shift") if current == "unipc" else config.get("shift", 1.0)
+        if solver == "unipc":
+            return UniPCMultistepScheduler.from_config(
+                config, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
+        return FlowMatchEulerDiscreteScheduler.from_config(config, shift=shift)
+
+    def _boundary_for(self, params: dict):
+        ratio = params.get("boundary_ratio")
+        return _ConfigSwap(self.pipeline, "boundary_ratio", ratio)
+
+    def _require_loaded(self):
+        if self.pipeline is None:
+            raise StudioError("no model is loaded", param="model")
+
+
+class _Swap:
+    """Set an attribute for the duration of one generation, then put the old one back."""
+
+    def __init__(self, obj, name: str, value):
+        self.obj, self.name, self.value = obj, name, value
+
+    def __enter__(self):
+        self.old = getattr(self.obj, self.name)
+        if self.value is not None:
+            setattr(self.obj, self.name, self.value)
+
+    def __exit__(self, *exc):
+        setattr(self.obj, self.name, self.old)
+
+
+class _ConfigSwap(_Swap):
+    """The same for a registered config value (Wan's boundary_ratio lives in the config)."""
+
+    def __enter__(self):
+        self.old = self.obj.config.get(self.name)
+        if self.value is not None:
+            self.obj.register_to_config(**{self.name: self.value})
+
+    def __exit__(self, *exc):
+        if self.value is not None:
+            self.obj.register_to_config(**{self.name: self.old})

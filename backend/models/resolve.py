@@ -1,0 +1,86 @@
+"""Model resolution: ``demo:*``, a local diffusers directory, or a Hugging Face repo id.
+
+A repo id is looked up in the local HF cache first; it is downloaded only when the
+caller allows it (``allow_download=True``) and the machine is online.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import demo
+from ..errors import CorruptModel, ModelNotFound
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    model_id: str
+    path: Path
+    class_name: str
+    # sampling defaults shipped with the directory (lora_studio.json), if any
+    defaults: dict = field(default_factory=dict)
+    model_index: dict = field(default_factory=dict)
+
+
+# Downloads are opt-in: a server must never start fetching tens of GB by surprise.
+ALLOW_DOWNLOAD_ENV = "LORA_STUDIO_ALLOW_DOWNLOAD"
+
+
+def resolve_model(model_id: str, data_dir=None, *, allow_download: bool | None = None) -> ResolvedModel:
+    if allow_download is None:
+        allow_download = os.environ.get(ALLOW_DOWNLOAD_ENV) == "1"
+    if not model_id or not isinstance(model_id, str):
+        raise ModelNotFound("model must be a demo id, a local diffusers directory or a Hugging Face repo id",
+                            param="model")
+    if demo.is_demo(model_id):
+        path = demo.ensure(model_id, data_dir)
+    elif Path(model_id).expanduser().exists():
+        path = Path(model_id).expanduser().resolve()
+    else:
+        path = _from_hub(model_id, allow_download)
+    return _inspect(model_id, path)
+
+
+def _from_hub(repo_id: str, allow_download: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except HFValidationError:
+        raise ModelNotFound(f"model {repo_id!r} is not a demo id, an existing directory or a valid "
+                            f"Hugging Face repo id", param="model") from None
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        if not allow_download:
+            raise ModelNotFound(
+                f"model {repo_id!r} is not in the local Hugging Face cache "
+                f"({os.environ.get('HF_HUB_CACHE', '~/.cache/huggingface/hub')}); "
+                f"fetch it with `huggingface-cli download {repo_id}`, set {ALLOW_DOWNLOAD_ENV}=1, "
+                f"or pass a local directory",
+                param="model") from None
+    try:
+        return Path(snapshot_download(repo_id))
+    except Exception as exc:  # network, auth, missing repo: one line for the user
+        raise ModelNotFound(f"could not download {repo_id!r}: {exc}", param="model") from None
+
+
+def _inspect(model_id: str, path: Path) -> ResolvedModel:
+    index_file = path / "model_index.json"
+    if not path.is_dir():
+        raise CorruptModel(f"model path {path} is not a directory", param="model")
+    if not index_file.is_file():
+        raise CorruptModel(f"{path} is not a diffusers model directory: model_index.json is missing",
+                           param="model")
+    try:
+        index = json.loads(index_file.read_text())
+        class_name = index["_class_name"]
+    except (ValueError, KeyError) as exc:
+        raise CorruptModel(f"{index_file} is unreadable ({exc.__class__.__name__}: {exc})",
+                           param="model") from None
+    defaults = {}
+    defaults_file = path / demo.DEFAULTS_FILE
+    if defaults_file.is_file():
+        defaults = json.loads(defaults_file.read_text()).get("defaults", {})
+    return ResolvedModel(model_id, path, class_name, defaults, index)

@@ -1,0 +1,85 @@
+"""Omni: the Python API, shaped like vLLM-Omni's.
+
+    omni = Omni(model="demo:sd3.5")
+    outputs = omni.generate(prompt="A piece of cheesecake", seed=42)
+    outputs[0].images[0].save("cake.png")
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .demo import DEFAULT_MODEL
+from .errors import InvalidParameter, StudioError
+from .lora.request import LoRARequest
+from .manager import GenerationResult, PipelineManager
+from .outputs import save_result
+
+LORA_BACKENDS = ("peft", "distill")
+
+
+@dataclass
+class OmniOutput:
+    images: list = field(default_factory=list)
+    frames: list | None = None
+    fps: int | None = None
+    audio: Any = None
+    metadata: dict = field(default_factory=dict)
+    _result: GenerationResult | None = field(default=None, repr=False)
+
+    def save(self, path=None, data_dir=None) -> Path:
+        """Write PNG/MP4 + JSON sidecar (atomically); returns the path."""
+        return save_result(self._result, data_dir=data_dir, path=path)
+
+
+class Omni:
+    def __init__(self, model: str = DEFAULT_MODEL, lora_path=None, lora_backend: str = "peft",
+                 lora_scale: float = 1.0, max_loras: int = 4, max_cpu_loras: int = 16,
+                 device: str | None = None, dtype: str | None = None, data_dir=None, adapter_dirs=None,
+                 **kwargs):
+        if kwargs:
+            raise InvalidParameter(f"Omni() got unknown argument {sorted(kwargs)[0]!r}", param=sorted(kwargs)[0])
+        if lora_backend not in LORA_BACKENDS:
+            raise InvalidParameter(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {lora_backend!r}",
+                                   param="lora_backend")
+        self.lora_backend = lora_backend
+        self.lora_scale = float(lora_scale)
+        self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
+        self.data_dir = data_dir
+        self.adapter_dirs = list(adapter_dirs or [])
+        self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir)
+        self.manager.load(model)
+        self.model = model
+        if lora_path:
+            raise StudioError(f"lora_path with lora_backend={lora_backend!r} is not supported yet",
+                              param="lora_path")
+
+    def generate(self, prompt: str | list[str] | None = None, lora_request: LoRARequest | list | None = None,
+                 lora_scale: float | list | dict | None = None, on_step=None, **fields) -> list[OmniOutput]:
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        adapters = self._adapters(lora_request, lora_scale)
+        outputs = []
+        for p in prompts:
+            result = self.manager.generate({**fields, "prompt": p}, adapters=adapters, on_step=on_step)
+            outputs.append(OmniOutput(images=result.images or [], frames=result.frames, fps=result.fps,
+                                      audio=result.audio, metadata=result.metadata, _result=result))
+        return outputs
+
+    def _adapters(self, lora_request, lora_scale) -> list:
+        """Pair each LoRARequest with its scale (a list of requests takes a list of scales)."""
+        if lora_request is None:
+            return []
+        requests = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
+        if isinstance(lora_scale, (list, tuple)):
+            scales = list(lora_scale)
+        else:
+            scales = [self.lora_scale if lora_scale is None else lora_scale] * len(requests)
+        if len(scales) != len(requests):
+            raise InvalidParameter(f"{len(requests)} lora_request(s) but {len(scales)} lora_scale value(s)",
+                                   param="lora_scale")
+        for req in requests:
+            if not isinstance(req, LoRARequest):
+                raise InvalidParameter(f"lora_request must be a LoRARequest, got {type(req).__name__}",
+                                       param="lora_request")
+        return list(zip(requests, scales))

@@ -1,0 +1,124 @@
+"""Generation parameter validation, per pipeline, before any work starts.
+
+One table (``FIELDS``) says the type and range of every generation field; a pipeline
+spec says which of them its requests may carry. Each rejection names the field.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import InvalidParameter
+from .models.registry import PipelineSpec
+
+
+@dataclass(frozen=True)
+class Field:
+    kind: type | tuple
+    check: Callable[[Any], bool] | None = None
+    rule: str = ""
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+FIELDS: dict[str, Field] = {
+    "prompt": Field(str, lambda v: v.strip() != "", "a non-empty string"),
+    "negative_prompt": Field((str, type(None))),
+    "seed": Field(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2^63)"),
+    "height": Field(int, _positive, "a positive integer"),
+    "width": Field(int, _positive, "a positive integer"),
+    "num_inference_steps": Field(int, lambda v: 1 <= v <= 1000, "an integer in [1, 1000]"),
+    "num_frames": Field(int, _positive, "a positive integer"),
+    "fps": Field(int, lambda v: 1 <= v <= 120, "an integer in [1, 120]"),
+    "guidance_scale": Field(float, lambda v: 0 <= v <= 100, "a number in [0, 100]"),
+    "guidance_scale_2": Field(float, lambda v: 0 <= v <= 100, "a number in [0, 100]"),
+    "true_cfg_scale": Field(float, lambda v: 0 <= v <= 100, "a number in [0, 100]"),
+    "boundary_ratio": Field(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "flow_shift": Field(float, lambda v: 0 < v <= 100, "a number in (0, 100]"),
+    "sample_solver": Field(str, lambda v: v in ("euler", "unipc"), "'euler' or 'unipc'"),
+    "max_sequence_length": Field(int, lambda v: 1 <= v <= 4096, "an integer in [1, 4096]"),
+    # an input image: a PIL image, or a path to one
+    "image": Field(object, None, "an image"),
+}
+
+
+def register_field(name: str, field: Field) -> None:
+    """Add a generation field defined by another pipeline family (e.g. MiniMax task_type)."""
+    FIELDS[name] = field
+
+
+def validate(spec: PipelineSpec, request: dict, defaults: dict | None = None) -> dict:
+    """Return the complete, checked parameter set for one generation.
+
+    ``defaults`` (the model's or a preset's sampling defaults) fill what the request
+    omits; ``None`` values in the request mean "use the default".
+    """
+    unknown = sorted(k for k in request if k not in spec.fields)
+    if unknown:
+        raise InvalidParameter(
+            f"unknown field {unknown[0]!r} for {spec.class_name}; accepted fields: {', '.join(sorted(spec.fields))}",
+            param=unknown[0])
+    params = {k: v for k, v in {**spec.defaults, **(defaults or {})}.items() if k in spec.fields}
+    params.update({k: v for k, v in request.items() if v is not None})
+    for name, value in list(params.items()):
+        params[name] = _check(name, value)
+    for name in sorted(spec.required):
+        if params.get(name) is None:
+            raise InvalidParameter(f"{name!r} is required for {spec.class_name}", param=name)
+    _check_shape(spec, params)
+    if params.get("seed") is None:
+        params["seed"] = random.randrange(2**31)
+    return params
+
+
+def _check(name: str, value):
+    field = FIELDS.get(name)
+    if field is None:
+        return value
+    if name == "image":
+        return _image(value)
+    if field.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    kinds = field.kind if isinstance(field.kind, tuple) else (field.kind,)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise InvalidParameter(f"{name!r} must be {field.rule or kinds[0].__name__}, got {value!r}", param=name)
+    if field.check is not None and value is not None and not field.check(value):
+        raise InvalidParameter(f"{name!r} must be {field.rule}, got {value!r}", param=name)
+    return value
+
+
+def _check_shape(spec: PipelineSpec, params: dict) -> None:
+    m = spec.size_multiple
+    for name in ("height", "width"):
+        if name in params and params[name] % m:
+            raise InvalidParameter(
+                f"{name!r} must be a multiple of {m} for {spec.class_name} (VAE factor x patch size), "
+                f"got {params[name]}", param=name)
+    frames = params.get("num_frames")
+    if spec.frame_multiple and frames is not None and (frames - 1) % spec.frame_multiple:
+        raise InvalidParameter(
+            f"'num_frames' must be {spec.frame_multiple}k+1 (e.g. 9, 17, 81) for {spec.class_name}, got {frames}",
+            param="num_frames")
+
+
+def _image(value):
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, (str, Path)):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise InvalidParameter(f"'image' file {str(path)!r} does not exist", param="image")
+        try:
+            with Image.open(path) as img:
+                return img.convert("RGB")
+        except OSError as exc:
+            raise InvalidParameter(f"'image' file {str(path)!r} is not a readable image ({exc})",
+                                   param="image") from None
+    raise InvalidParameter(f"'image' must be an image or a path to one, got {type(value).__name__}",
+                           param="image")
