@@ -217,8 +217,12 @@ def model_index(base_schedule=None) -> dict:
     return index
 
 
-def build(out_dir, *, base_schedule=None) -> Path:
-    """Materialize the tiny repository into `out_dir` (atomically: built beside it, then renamed)."""
+#: Sampling defaults sized for the tiny demo (lora_studio.json): the shortest clip the pipeline allows.
+DEFAULTS = {"num_inference_steps": 3, "num_frames": 124, "height": 32, "width": 64, "task_type": "t2va"}
+
+
+def write(out_dir, *, base_schedule=None) -> Path:
+    """Write the tiny repository into the (existing, empty) directory `out_dir`."""
     from diffusers import (
         AutoencoderKLMiniMaxH3,
         AutoencoderKLMiniMaxH3Audio,
@@ -226,23 +230,28 @@ def build(out_dir, *, base_schedule=None) -> Path:
         MiniMaxH3Transformer3DModel,
     )
 
+    out = Path(out_dir)
+    tok = _tokenizer()
+    tok.save_pretrained(out / "tokenizer")
+    _save_processor(tok, out / "processor")
+    _seeded(_text_encoder(tok), 0).save_pretrained(out / "text_encoder")
+    _seeded(MiniMaxH3Transformer3DModel(**TRANSFORMER_CONFIG), 1).save_pretrained(out / "transformer")
+    _seeded(MiniMaxH3Transformer3DModel(**TRANSFORMER_CONFIG), 2).save_pretrained(out / "transformer_ref")
+    _seeded(AutoencoderKLMiniMaxH3(**VAE_CONFIG), 3).save_pretrained(out / "vae")
+    _seeded(AutoencoderKLMiniMaxH3Audio(**AUDIO_VAE_CONFIG), 4).save_pretrained(out / "audio_vae")
+    MiniMaxH3Scheduler(shift=12.0).save_pretrained(out / "scheduler")
+    MiniMaxH3Scheduler(shift=3.0).save_pretrained(out / "audio_scheduler")
+    (out / "modular_model_index.json").write_text(json.dumps(model_index(base_schedule), indent=2) + "\n")
+    return out
+
+
+def build(out_dir, *, base_schedule=None) -> Path:
+    """Materialize the tiny repository at `out_dir` (built beside it, then renamed into place)."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-
-    tok = _tokenizer()
-    tok.save_pretrained(tmp / "tokenizer")
-    _save_processor(tok, tmp / "processor")
-    _seeded(_text_encoder(tok), 0).save_pretrained(tmp / "text_encoder")
-    _seeded(MiniMaxH3Transformer3DModel(**TRANSFORMER_CONFIG), 1).save_pretrained(tmp / "transformer")
-    _seeded(MiniMaxH3Transformer3DModel(**TRANSFORMER_CONFIG), 2).save_pretrained(tmp / "transformer_ref")
-    _seeded(AutoencoderKLMiniMaxH3(**VAE_CONFIG), 3).save_pretrained(tmp / "vae")
-    _seeded(AutoencoderKLMiniMaxH3Audio(**AUDIO_VAE_CONFIG), 4).save_pretrained(tmp / "audio_vae")
-    MiniMaxH3Scheduler(shift=12.0).save_pretrained(tmp / "scheduler")
-    MiniMaxH3Scheduler(shift=3.0).save_pretrained(tmp / "audio_scheduler")
-    (tmp / "modular_model_index.json").write_text(json.dumps(model_index(base_schedule), indent=2) + "\n")
-
+    write(tmp, base_schedule=base_schedule)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
@@ -251,3 +260,17 @@ def build(out_dir, *, base_schedule=None) -> Path:
 def build_pinned(out_dir) -> Path:
     """The checkpoint-pinned variant: same weights, `base_schedule` in the repository index."""
     return build(out_dir, base_schedule=PINNED_SCHEDULE)
+
+
+class Repository:
+    """What `backend.demo.ensure` builds: it calls `.save_pretrained(dir)` on the builder's result."""
+
+    def __init__(self, base_schedule=None):
+        self.base_schedule = base_schedule
+
+    def save_pretrained(self, out_dir, **_):
+        write(out_dir, base_schedule=self.base_schedule)
+
+
+def repository() -> Repository:
+    return Repository()

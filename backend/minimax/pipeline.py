@@ -109,6 +109,7 @@ def load(path: str | Path, *, device, dtype, task_type: str = "t2va"):
     pipe.update_components(processor=load_processor(Path(path) / "processor"))
     ensure_partition(pipe, task_type, dtype=dtype)
     pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)  # progress is reported through the ProgressStep
     return pipe
 
 
