@@ -69,7 +69,7 @@ class SamplingContract:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.tasks is not None:
-            out["task_types"] = sorted(self.tasks)
+            out["task_types"] = [t for t in TASKS if t in self.tasks]
         return out
 
 
@@ -230,7 +230,7 @@ def plan(request: dict, contract: SamplingContract | None, *, default_steps: int
     name = f"{contract.artifact} ({contract.kind})"
     if contract.tasks is not None and task not in contract.tasks:
         raise ContractViolation(
-            f"{name} serves task_type {' or '.join(sorted(contract.tasks))}, got {task!r}", param="task_type"
+            f"{name} serves task_type {' or '.join(t for t in TASKS if t in contract.tasks)}, got {task!r}", param="task_type"
         )
     if steps is not None and steps != contract.steps:
         pinned = f" (schedule {list(contract.sigmas)})" if contract.sigmas else ""
