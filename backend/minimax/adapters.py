@@ -99,7 +99,7 @@ def _fold_alpha(state_dict: dict, alpha: float | None) -> dict:
 
 def read_adapter(path, *, num_heads: int, head_dim: int) -> MiniMaxAdapter:
     """Read one MiniMax-H3 LoRA file. `num_heads`/`head_dim` come from the loaded transformer config."""
-    from diffusers import MiniMaxH3LoraLoaderMixin
+    from diffusers.loaders import MiniMaxH3LoraLoaderMixin
 
     path = Path(path).expanduser()
     tensors, metadata = read_file(path)
