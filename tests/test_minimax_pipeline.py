@@ -277,3 +277,19 @@ def test_manager_generates_mp4_with_audio_and_wav(manager_for, data_dir, tmp_pat
 
         m.generate({"prompt": PROMPT, "task_type": "t2va"},
                    adapters=[(LoRARequest("ref", 1, str(path)), 1.0)])
+
+
+def test_distill_fuses_turbo_and_its_contract_governs(repo, tmp_path):
+    rt = MiniMaxRuntime(repo, device="cpu", dtype=torch.float32, lora_backend="distill")
+    path = tmp_path / "minimax_h3_fl2v_turbo_2step_v1.0.safetensors"
+    save_file(diffusers_lora(seed=4), str(path))
+    base = gen(rt, num_inference_steps=2)
+    layer = rt.pipe.transformer.transformer_blocks[0].attn.to_q
+    before = layer.weight.detach().clone()
+    rt.fuse([path])
+    assert not hasattr(layer, "lora_A") and not torch.equal(layer.weight, before)  # fused, LoRA layers gone
+    fused = gen(rt)  # steps from the fused file's contract
+    assert fused.steps[-1] == (2, 2) and fused.metadata["fused"] == [path.name]
+    assert np.abs(pixels(fused) - pixels(base)).mean() > 0.01
+    with pytest.raises(ContractViolation, match="num_inference_steps=2"):
+        gen(rt, num_inference_steps=3)

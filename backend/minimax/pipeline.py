@@ -167,6 +167,11 @@ def run(pipe, plan: SamplingPlan, params: dict, *, on_step=None, cancel: threadi
             raise InvalidParameter("task_type 'ref2va' takes references, not image/last_image", param="image")
         kwargs.setdefault("num_frames", 124)  # ref2va has no default length (t2va/fl2va default to 124)
         kwargs["references"] = [MiniMaxH3ImageReference(image=r) if hasattr(r, "convert") else r for r in refs]
+        from .processor import has_video_processor
+
+        if not has_video_processor() and any(getattr(r, "kind", "image") == "video" for r in kwargs["references"]):
+            raise InvalidParameter("video references need torchvision (Qwen3-VL's video processor), which is "
+                                   "not installed", param="references")
     if PARTITION[task] not in loaded_partitions(pipe):
         raise InvalidParameter(f"the {PARTITION[task]} partition is not loaded for task {task!r}", param="task_type")
 
