@@ -92,6 +92,7 @@ def studio_blocks():
         branch.sub_blocks["set_timesteps"] = planned()
         loop = branch.sub_blocks["denoise"]
         loop.sub_blocks["progress"] = progress()
+        loop.set_progress_bar_config(disable=True)  # progress goes through ProgressStep instead
     return blocks
 
 
