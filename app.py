@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Wan2.2: the second guidance scale (diffusers' guidance_scale_2), as in vLLM-Omni")
     gen.add_argument("--boundary-ratio", type=float)
     gen.add_argument("--true-cfg-scale", type=float)
+    gen.add_argument("--task-type", choices=("t2va", "fl2va", "ref2va"),
+                     help="MiniMax-H3 workflow: text, first/last frame, or references to video+audio")
+    gen.add_argument("--last-image", help="MiniMax-H3 fl2va: the frame the video ends on (--image: starts on)")
+    gen.add_argument("--reference", action="append", metavar="PATH",
+                     help="MiniMax-H3 ref2va: a reference image (repeat for several)")
+    gen.add_argument("--audio-flow-shift", type=float, help="MiniMax-H3: the audio schedule's shift")
     gen.add_argument("--seed", type=int, default=42)
     gen.add_argument("--output", help="output path (.png or .mp4); default: <data-dir>/outputs/")
     _lora(gen)
@@ -103,6 +109,8 @@ GENERATION_FLAGS = {  # CLI flag (dest) -> generation field
     "flow_shift": "flow_shift", "sample_solver": "sample_solver", "guidance_scale": "guidance_scale",
     "guidance_scale_high": "guidance_scale_2", "boundary_ratio": "boundary_ratio",
     "true_cfg_scale": "true_cfg_scale", "seed": "seed",
+    "task_type": "task_type", "last_image": "last_image", "reference": "references",
+    "audio_flow_shift": "audio_flow_shift",
 }
 
 
@@ -130,6 +138,10 @@ def cmd_generate(args) -> int:
             bar.close()
     path = output.save(args.output, data_dir=args.data_dir)
     print(path)
+    if output.audio is not None:  # MiniMax-H3: the soundtrack also as WAV, beside the MP4
+        from backend.minimax.media import write_wav
+
+        print(write_wav(path.with_suffix(".wav"), output.audio))
     return 0
 
 

@@ -83,6 +83,8 @@ class PipelineManager:
         self.lora_engine = None
         # Set by the distill backend (backend.distill.FusedBase) once files are fused.
         self.fused_base = None
+        # MiniMax-H3 (modular pipeline): contracts, partitions and adapters (backend/minimax/runtime.py)
+        self.minimax = None
         self._lock = threading.RLock()
 
     # -- loading ---------------------------------------------------------------------------
@@ -90,9 +92,16 @@ class PipelineManager:
         with self._lock:
             resolved = resolve_model(model_id, self.data_dir)
             spec = spec_for(resolved.class_name)
-            pipeline = self._from_pretrained(resolved)
+            minimax = None
+            if spec.class_name == "MiniMaxH3ModularPipeline":  # modular: its own loading and run
+                from .minimax.runtime import MiniMaxRuntime
+
+                minimax = MiniMaxRuntime(resolved.path, device=self.device, dtype=self.dtype)
+                pipeline = minimax.pipe
+            else:
+                pipeline = self._from_pretrained(resolved)
             self.unload()
-            self.pipeline, self.spec = pipeline, spec
+            self.pipeline, self.spec, self.minimax = pipeline, spec, minimax
             self.model_id, self.model_path = model_id, resolved.path
             self.defaults = dict(resolved.defaults)
 
@@ -117,8 +126,7 @@ class PipelineManager:
             if self.pipeline is None:
                 return
             self.pipeline = None
-            self.lora_engine = None
-            self.fused_base = None
+            self.lora_engine = self.fused_base = self.minimax = None
             self.model_id = self.model_path = self.spec = None
             gc.collect()
             if torch.cuda.is_available():
@@ -151,6 +159,11 @@ class PipelineManager:
     def generate(self, request: dict, *, adapters=None, defaults: dict | None = None,
                  on_step: StepCallback | None = None, cancel: threading.Event | None = None) -> GenerationResult:
         with self._lock:
+            if self.minimax is not None:
+                from .minimax.runtime import generate_for_manager
+
+                return generate_for_manager(self, request, adapters=adapters, defaults=defaults,
+                                            on_step=on_step, cancel=cancel)
             params = self.validate(request, defaults)
             if adapters and self.lora_engine is None:
                 raise StudioError("per-request LoRA adapters are not supported by this backend yet",

@@ -43,7 +43,14 @@ FIELDS: dict[str, Field] = {
     "max_sequence_length": Field(int, lambda v: 1 <= v <= 4096, "an integer in [1, 4096]"),
     # an input image: a PIL image, or a path to one
     "image": Field(object, None, "an image"),
+    # MiniMax-H3
+    "task_type": Field(str, lambda v: v in ("t2va", "fl2va", "ref2va"), "'t2va', 'fl2va' or 'ref2va'"),
+    "audio_flow_shift": Field(float, lambda v: 0 < v <= 100, "a number in (0, 100]"),
+    "last_image": Field(object, None, "an image"),
+    "references": Field(object, None, "a list of images"),
 }
+
+IMAGE_FIELDS = ("image", "last_image")
 
 
 def register_field(name: str, field: Field) -> None:
@@ -79,8 +86,11 @@ def _check(name: str, value):
     field = FIELDS.get(name)
     if field is None:
         return value
-    if name == "image":
-        return _image(value)
+    if name in IMAGE_FIELDS:
+        return _image(value, name)
+    if name == "references":
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return [_image(v, "references") for v in items]
     if field.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     kinds = field.kind if isinstance(field.kind, tuple) else (field.kind,)
@@ -105,7 +115,7 @@ def _check_shape(spec: PipelineSpec, params: dict) -> None:
             param="num_frames")
 
 
-def _image(value):
+def _image(value, name: str = "image"):
     from PIL import Image
 
     if isinstance(value, Image.Image):
@@ -113,12 +123,12 @@ def _image(value):
     if isinstance(value, (str, Path)):
         path = Path(value).expanduser()
         if not path.is_file():
-            raise InvalidParameter(f"'image' file {str(path)!r} does not exist", param="image")
+            raise InvalidParameter(f"{name!r} file {str(path)!r} does not exist", param=name)
         try:
             with Image.open(path) as img:
                 return img.convert("RGB")
         except OSError as exc:
-            raise InvalidParameter(f"'image' file {str(path)!r} is not a readable image ({exc})",
-                                   param="image") from None
-    raise InvalidParameter(f"'image' must be an image or a path to one, got {type(value).__name__}",
-                           param="image")
+            raise InvalidParameter(f"{name!r} file {str(path)!r} is not a readable image ({exc})",
+                                   param=name) from None
+    raise InvalidParameter(f"{name!r} must be an image or a path to one, got {type(value).__name__}",
+                           param=name)

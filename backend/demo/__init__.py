@@ -54,6 +54,7 @@ DEMO_MODELS: dict[str, DemoModel] = {m.id: m for m in [
     DemoModel("demo:wan2.1-t2v", "wan:build_wan21_t2v", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan:DEFAULTS_T2V"),
     DemoModel("demo:wan2.2-t2v", "wan:build_wan22_t2v", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan:DEFAULTS_22"),
     DemoModel("demo:wan2.2-i2v", "wan:build_wan22_i2v", "Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan:DEFAULTS_22"),
+    DemoModel("demo:minimax-h3", "minimax:repository", "MiniMaxAI/MiniMax-H3", "minimax:DEFAULTS"),
 ]}
 
 DEFAULT_MODEL = "demo:qwen-image"

@@ -57,6 +57,14 @@ SPECS: dict[str, PipelineSpec] = {s.class_name: s for s in [
         defaults={**_WAN_T2V_DEFAULTS, "guidance_scale": 3.5, "guidance_scale_2": 3.5},
         fields=COMMON_FIELDS | VIDEO_FIELDS | {"image", "guidance_scale", "guidance_scale_2", "boundary_ratio"},
         required=frozenset({"prompt", "image"}), frame_multiple=4, mode="image-to-video"),
+    # MiniMax-H3: modular, guidance-distilled (no negative prompt / guidance), 24 fps, frames snapped to
+    # 17n+5 by the pipeline; num_inference_steps is left to the sampling contract (backend/minimax).
+    PipelineSpec(
+        "MiniMaxH3ModularPipeline", "video+audio", ("transformer", "transformer_ref"),
+        defaults={"num_frames": 124, "task_type": "t2va", "num_inference_steps": 30},
+        fields=frozenset({"prompt", "seed", "height", "width", "num_inference_steps", "num_frames",
+                          "flow_shift", "audio_flow_shift", "task_type", "image", "last_image", "references"}),
+        size_multiple=32, mode="text-to-video+audio"),
 ]}
 
 

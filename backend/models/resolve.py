@@ -68,6 +68,8 @@ def _from_hub(repo_id: str, allow_download: bool) -> Path:
 
 def _inspect(model_id: str, path: Path) -> ResolvedModel:
     index_file = path / "model_index.json"
+    if not index_file.is_file() and (path / "modular_model_index.json").is_file():
+        index_file = path / "modular_model_index.json"  # a modular-only repository (MiniMax-H3)
     if not path.is_dir():
         raise CorruptModel(f"model path {path} is not a directory", param="model")
     if not index_file.is_file():

@@ -1,0 +1,208 @@
+"""MiniMaxRuntime: a loaded MiniMax-H3 repository, its adapters and the contract check of every request.
+
+The PipelineManager owns one of these when the model is MiniMax-H3 (a modular pipeline, which has neither
+`__call__(callback_on_step_end=...)` nor one denoiser per task), and hands `generate` to it.
+
+Adapters:
+- peft: `load_adapter(name, path)` reads the file once (contract, native reorder, alpha fold) and binds it
+  to its partition under `name`; a request activates a list of (name, scale) with `set_adapters` on that
+  partition and every other adapter off; no adapter = base model (LoRA layers disabled).
+- distill: `fuse(paths)` once at start: each file fused into its partition, then the LoRA layers dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import AdapterError, ContractViolation, InvalidParameter
+from . import contracts, offload as offload_policy, pipeline as mp
+from .adapters import MiniMaxAdapter, read_adapter
+
+
+@dataclass
+class Generated:
+    frames: list
+    fps: int
+    audio: tuple
+    metadata: dict = field(default_factory=dict)
+
+
+class MiniMaxRuntime:
+    def __init__(self, path, *, device, dtype, lora_backend: str = "peft", offload: str | None = None,
+                 task_type: str = "t2va"):
+        self.offload = offload_policy.check(offload, lora_backend)
+        if self.offload != "none":
+            # The policy is decided and enforced; applying offload on CUDA is left to a GPU session.
+            raise InvalidParameter(f"--offload {self.offload} is not implemented for MiniMax-H3 yet",
+                                   param="offload")
+        self.path = Path(path)
+        self.device, self.dtype, self.lora_backend = torch.device(device), dtype, lora_backend
+        self.index = contracts.read_index(self.path)
+        self.checkpoint_contract = contracts.checkpoint_contract(self.path, self.index)
+        self.pipe = mp.load(self.path, device=self.device, dtype=dtype, task_type=task_type)
+        self.adapters: dict[str, MiniMaxAdapter] = {}
+        self.fused: list[MiniMaxAdapter] = []
+        self._lock = threading.RLock()
+
+    # -- adapters ----------------------------------------------------------------------------------------
+    def _heads(self, partition: str) -> tuple[int, int]:
+        config = self._partition_config(partition)
+        return int(config["num_attention_heads"]), int(config["attention_head_dim"])
+
+    def _partition_config(self, partition: str) -> dict:
+        module = getattr(self.pipe, partition, None)
+        if module is not None:
+            return dict(module.config)
+        import json
+
+        return json.loads((self.path / partition / "config.json").read_text())
+
+    def read(self, path) -> MiniMaxAdapter:
+        # Both partitions share one architecture config in every released repository; read the one on disk.
+        heads, head_dim = self._heads("transformer")
+        return read_adapter(path, num_heads=heads, head_dim=head_dim)
+
+    def _bind(self, adapter: MiniMaxAdapter, name: str) -> None:
+        task = adapter.tasks[0]
+        mp.ensure_partition(self.pipe, task, dtype=self.dtype, device=self.device)
+        self.pipe.load_lora_weights(dict(adapter.state_dict), adapter_name=name,
+                                    load_into_transformer_ref=adapter.partition == "transformer_ref")
+        module = getattr(self.pipe, adapter.partition)
+        bound = {n for n, _ in module.named_modules() if n.endswith(f".{name}") or n == name}
+        if not bound:
+            raise AdapterError(f"{adapter.path.name} bound to no layer of {adapter.partition}", param="lora_path")
+
+    def load_adapter(self, name: str, path) -> MiniMaxAdapter:
+        if self.lora_backend != "peft":
+            raise AdapterError("per-request adapters need --lora-backend peft", param="lora_request")
+        with self._lock:
+            cached = self.adapters.get(name)
+            if cached is not None and cached.path == Path(path).expanduser():
+                return cached
+            if cached is not None:
+                self.unload_adapter(name)
+            adapter = self.read(path)
+            self._bind(adapter, name)
+            self.adapters[name] = adapter
+            self._disable_all()
+            return adapter
+
+    def unload_adapter(self, name: str) -> None:
+        with self._lock:
+            adapter = self.adapters.pop(name, None)
+            if adapter is not None:
+                getattr(self.pipe, adapter.partition).delete_adapters([name])
+
+    def fuse(self, paths) -> list[MiniMaxAdapter]:
+        """Distill: fuse each file into its partition once (scale 1), then drop the LoRA layers."""
+        for i, path in enumerate(paths):
+            adapter = self.read(path)
+            name = f"distill_{i}"
+            self._bind(adapter, name)
+            module = getattr(self.pipe, adapter.partition)
+            module.set_adapters([name], [1.0])
+            module.fuse_lora(lora_scale=1.0, adapter_names=[name])
+            module.unload_lora()
+            self.fused.append(adapter)
+        return self.fused
+
+    def _disable_all(self) -> None:
+        for partition in mp.loaded_partitions(self.pipe):
+            module = getattr(self.pipe, partition)
+            if getattr(module, "peft_config", None):
+                module.disable_lora()
+
+    def _activate(self, active: list[tuple[MiniMaxAdapter, str, float]], partition: str) -> None:
+        self._disable_all()
+        chosen = [(name, scale) for adapter, name, scale in active if adapter.partition == partition]
+        if chosen:
+            module = getattr(self.pipe, partition)
+            module.enable_lora()
+            module.set_adapters([n for n, _ in chosen], [s for _, s in chosen])
+
+    # -- generation --------------------------------------------------------------------------------------
+    def plan(self, params: dict, active: list[MiniMaxAdapter], *, default_steps: int | None = None):
+        contract = contracts.active_contract(self.checkpoint_contract,
+                                             [a.contract for a in [*self.fused, *active]])
+        return contracts.plan(params, contract, default_steps=default_steps)
+
+    def generate(self, params: dict, *, adapters=(), on_step=None, cancel=None, default_steps=None) -> Generated:
+        """`adapters`: (name, path, scale) triples; `params`: validated generation fields."""
+        with self._lock:
+            active = []
+            for name, path, scale in adapters:
+                if not isinstance(scale, (int, float)):
+                    raise InvalidParameter("MiniMax-H3 adapters take one scale (they bind to one partition)",
+                                           param="lora_scale")
+                active.append((self.load_adapter(name, path), name, float(scale)))
+            plan = self.plan(params, [a for a, _, _ in active], default_steps=default_steps)
+            partition = contracts.PARTITION[plan.task_type]
+            for adapter, name, _ in active:
+                if adapter.partition != partition:
+                    raise ContractViolation(
+                        f"{adapter.path.name} binds to {adapter.partition} (task_type {' or '.join(adapter.tasks)});"
+                        f" the request's task_type {plan.task_type!r} denoises with {partition}",
+                        param="task_type")
+            for adapter in self.fused:
+                if adapter.partition != partition:
+                    raise ContractViolation(
+                        f"{adapter.path.name} is fused into {adapter.partition}; task_type {plan.task_type!r} "
+                        f"denoises with {partition}", param="task_type")
+            mp.ensure_partition(self.pipe, plan.task_type, dtype=self.dtype, device=self.device)
+            self._activate(active, partition)
+            generator = torch.Generator(device="cpu").manual_seed(int(params["seed"]))
+            try:
+                out = mp.run(self.pipe, plan, params, on_step=on_step, cancel=cancel, generator=generator)
+            finally:
+                self._disable_all()
+            meta = {
+                "task_type": plan.task_type, "num_inference_steps": plan.steps,
+                "sigmas": list(plan.sigmas) if plan.sigmas else None,
+                "flow_shift": None if plan.sigmas else plan.flow_shift,
+                "audio_flow_shift": None if plan.sigmas else plan.audio_flow_shift,
+                "contract": plan.contract.describe() if plan.contract else None,
+                "height": out.height, "width": out.width, "num_frames": out.num_frames,
+                "sample_rate": out.audio[1], "fused": [a.path.name for a in self.fused],
+            }
+            return Generated(frames=out.frames, fps=out.fps, audio=out.audio, metadata=meta)
+
+
+#: Fields whose default must wait for the contract: an artifact may pin them, and a default filled in
+#: before the check would read as a request that breaks the contract.
+CONTRACT_FIELDS = ("num_inference_steps", "flow_shift", "audio_flow_shift")
+
+
+def generate_for_manager(manager, request: dict, *, adapters=None, defaults=None, on_step=None, cancel=None):
+    """PipelineManager.generate for MiniMax-H3: validate, check the contract, run, and wrap the result."""
+    import time
+
+    from ..manager import GenerationResult
+
+    started = time.time()
+    params = manager.validate(request, defaults)
+    merged_defaults = {**manager.spec.defaults, **manager.defaults, **(defaults or {})}
+    for name in CONTRACT_FIELDS:
+        params[name] = request.get(name)
+    triples = [(req.lora_name, req.lora_path, scale) for req, scale in (adapters or [])]
+    out = manager.minimax.generate(params, adapters=triples, on_step=on_step, cancel=cancel,
+                                   default_steps=merged_defaults.get("num_inference_steps"))
+    applied = [{"name": name, "path": str(path), "scale": scale,
+                "sha256": _sha256(path)} for name, path, scale in triples]
+    shown = {k: v for k, v in params.items() if k not in ("image", "last_image", "references") and v is not None}
+    shown.update(out.metadata)
+    metadata = manager._metadata(shown, applied, time.time() - started)
+    return GenerationResult(frames=out.frames, fps=out.fps, audio=out.audio, metadata=metadata)
+
+
+def _sha256(path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
