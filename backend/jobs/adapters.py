@@ -9,6 +9,7 @@ refused the same way, and nothing is said about whether the file exists out ther
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,16 +49,21 @@ class AdapterResolver:
         given = Path(raw).expanduser()
         candidates = [given] if given.is_absolute() else [root / given for root in self.roots]
         for cand in candidates:
-            real = cand.resolve()  # follows every symlink on the way
-            if not any(real == root or real.is_relative_to(root) for root in self.roots):
+            if not os.path.lexists(cand):
                 continue
+            real = cand.resolve()  # follows every symlink on the way, the last one included
+            if not self._inside(real):
+                break  # it exists, but out there: refused below, whatever it is
             if real.exists():
                 return real
-        inside = [c for c in candidates if any(c.resolve().is_relative_to(r) for r in self.roots)]
-        if not inside:
-            raise PathNotAllowed(f"adapter path {raw!r} is outside the adapter roots "
-                                 f"({', '.join(map(str, self.roots))})", param=param)
-        raise AdapterNotFound(f"adapter path {raw!r} does not exist under the adapter roots", param=param)
+        else:
+            if any(self._inside(c.resolve()) for c in candidates):
+                raise AdapterNotFound(f"adapter path {raw!r} does not exist under the adapter roots", param=param)
+        raise PathNotAllowed(f"adapter path {raw!r} resolves outside the adapter roots "
+                             f"({', '.join(map(str, self.roots))})", param=param)
+
+    def _inside(self, real: Path) -> bool:
+        return any(real == root or real.is_relative_to(root) for root in self.roots)
 
     def int_id(self, path: Path) -> int:
         with self._lock:

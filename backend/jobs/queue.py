@@ -64,6 +64,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     finished_at REAL,
     result TEXT,
     error TEXT,
+    error_detail TEXT,
     overtaken INTEGER NOT NULL DEFAULT 0,
     requeues INTEGER NOT NULL DEFAULT 0,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
@@ -144,13 +145,17 @@ class JobQueue:
         with self._tx() as db:
             db.execute("UPDATE jobs SET step=?, total=? WHERE id=? AND status='running'", (step, total, job_id))
 
-    def finish(self, job_id: str, status: str, *, result: dict | None = None, error: str | None = None) -> dict:
-        """Record the end of a running job. ``result`` names files that are already durable."""
+    def finish(self, job_id: str, status: str, *, result: dict | None = None, error: str | None = None,
+               error_detail: dict | None = None) -> dict:
+        """Record the end of a running job. ``result`` names files that are already durable;
+        ``error_detail`` is {"status", "type", "param"} of the StudioError that failed it."""
         if status not in FINISHED:
             raise ValueError(f"finish() takes one of {FINISHED}, got {status!r}")
         with self._tx() as db:
-            db.execute("UPDATE jobs SET status=?, finished_at=?, result=?, error=? WHERE id=? AND status='running'",
-                       (status, time.time(), json.dumps(result) if result is not None else None, error, job_id))
+            db.execute("UPDATE jobs SET status=?, finished_at=?, result=?, error=?, error_detail=? "
+                       "WHERE id=? AND status='running'",
+                       (status, time.time(), json.dumps(result) if result is not None else None, error,
+                        json.dumps(error_detail) if error_detail else None, job_id))
         return self.get(job_id)
 
     def cancel(self, job_id: str) -> tuple[dict, bool]:
@@ -254,7 +259,8 @@ class JobQueue:
             "model": row["model"], "params": json.loads(row["params"]), "adapters": json.loads(row["adapters"]),
             "preset": row["preset"], "created_at": row["created_at"], "started_at": row["started_at"],
             "finished_at": row["finished_at"], "result": json.loads(row["result"]) if row["result"] else None,
-            "error": row["error"], "overtaken": row["overtaken"], "requeues": row["requeues"],
+            "error": row["error"], "error_detail": json.loads(row["error_detail"]) if row["error_detail"] else None,
+            "overtaken": row["overtaken"], "requeues": row["requeues"],
         }
 
 

@@ -170,7 +170,8 @@ class Supervisor:
             if kind == "done":
                 self.queue.finish(job_id, "succeeded", result=msg[2])
             elif kind == "failed":
-                self.queue.finish(job_id, "failed", error=msg[2])
+                detail = dict(msg[2])
+                self.queue.finish(job_id, "failed", error=detail.pop("message"), error_detail=detail)
             else:
                 self.queue.finish(job_id, "cancelled", error="cancelled while running")
             job = self.current
@@ -193,7 +194,8 @@ class Supervisor:
         if self.current is not None:
             self.queue.finish(self.current["id"], "failed",
                               error=f"the worker process died ({reason}) while running this job; "
-                                    "it was restarted")
+                                    "it was restarted",
+                              error_detail={"status": 500, "type": "server_error", "param": None})
             self.current = None
         self.group = None
         self.conn.close()

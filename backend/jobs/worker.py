@@ -5,7 +5,7 @@ locks inherited from the server) and talks to the supervisor over one Pipe:
 
     supervisor -> worker   {"op": "job", "job": {...}} | {"op": "unload_adapter", "name"} | {"op": "stop"}
     worker -> supervisor   ("ready", info) | ("progress", id, step, total)
-                           | ("done", id, result, info) | ("failed", id, message, info)
+                           | ("done", id, result, info) | ("failed", id, error, info)
                            | ("cancelled", id, info) | ("fatal", message)
 
 A result file is written (atomically, fsynced) by ``backend.outputs`` before "done"
@@ -98,12 +98,14 @@ class _Worker:
         except Cancelled:
             self.conn.send(("cancelled", job_id, self.info()))
         except StudioError as exc:
-            self.conn.send(("failed", job_id, exc.message, self.info()))
+            detail = {"message": exc.message, "status": exc.http_status, "type": exc.kind, "param": exc.param}
+            self.conn.send(("failed", job_id, detail, self.info()))
         except Exception as exc:  # a bug or a library error: the job fails, the worker lives on
             traceback.print_exc(file=sys.stderr)
             text = str(exc).strip().splitlines()
-            self.conn.send(("failed", job_id, f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": "),
-                            self.info()))
+            message = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+            detail = {"message": message, "status": 500, "type": "server_error", "param": None}
+            self.conn.send(("failed", job_id, detail, self.info()))
         else:
             self.conn.send(("done", job_id, result, self.info()))
 
