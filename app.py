@@ -134,8 +134,34 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    print("the server arrives with the job queue; for now use `python app.py generate`", file=sys.stderr)
-    return 2
+    from backend.errors import InvalidParameter
+
+    if args.share and not args.auth:  # a share link is public: never without a login
+        raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS", param="share")
+    if args.auth is not None and not all(args.auth.partition(":")[::2]):
+        raise InvalidParameter("--auth must be USER:PASS", param="auth")
+    if args.share:
+        raise InvalidParameter("--share is not supported by this server build yet", param="share")
+    from backend.api import create_app, serve
+    from backend.service import Studio
+
+    studio = Studio(args.model, data_dir=args.data_dir, adapter_dirs=args.adapter_dir,
+                    lora_backend=args.lora_backend, lora_paths=args.lora_path, lora_scale=args.lora_scale,
+                    preset=args.preset, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+                    max_queue=args.max_queue, device=args.device, dtype=args.dtype)
+    try:
+        studio.start()
+        app = create_app(studio, api_key=args.api_key)
+        try:
+            from ui import mount
+        except ImportError:  # a build without the UI package: the HTTP API alone
+            mount = None
+        if mount is not None:
+            mount(app, studio, auth=args.auth)  # last, so the API routes keep priority
+        serve(app, host=args.host, port=args.port)
+    finally:
+        studio.close()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,9 +7,25 @@ import time
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 7860, log_level: str = "info") -> None:
+    """Serve in the foreground until SIGINT/SIGTERM, then return (so callers' cleanup runs)."""
+    import signal
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    def _stop(signum, frame):
+        raise SystemExit(0)
+
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler it found:
+    # ours turns that into SystemExit, so `finally:` blocks (stopping the worker) still run.
+    previous = signal.signal(signal.SIGTERM, _stop) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 class ThreadedServer:
