@@ -44,6 +44,7 @@ class Studio:
             model=model, data_dir=str(self.data_dir), device=device, dtype=dtype, lora_backend=lora_backend,
             lora_paths=tuple(str(p) for p in lora_paths), lora_scale=float(lora_scale), preset=preset,
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
+            adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]),
             env={settings.ENV_VAR: str(self.data_dir)})
         self.supervisor = Supervisor(self.queue, self.config)
         self.started_at = time.time()
@@ -77,13 +78,13 @@ class Studio:
             raise InvalidParameter(
                 "this server runs --lora-backend distill: its LoRA is fused into the base at start, so "
                 "per-request 'lora' is refused; start a peft server for per-request adapters", param="lora")
-        if preset is not None and preset != self.preset:
-            raise InvalidParameter(f"preset {preset!r} is not the one this server applied "
-                                   f"({self.preset or 'none'}); use apply_preset first", param="preset")
+        if preset is not None and preset != self.current_preset():
+            raise InvalidParameter(f"preset {preset!r} is not the one applied now "
+                                   f"({self.current_preset() or 'none'}); apply it first", param="preset")
         resolved = [a.as_dict() for a in self.resolver.resolve(adapters)]
         params = self._check_params(params, model)
         job = self.queue.submit(kind, model=model or self.current_model(), params=params, adapters=resolved,
-                                preset=self.preset)
+                                preset=self.current_preset())
         self.supervisor.wake()
         return job
 
@@ -125,6 +126,10 @@ class Studio:
     def current_model(self) -> str:
         return (self.supervisor.info or {}).get("model") or self.model
 
+    def current_preset(self) -> str | None:
+        info = self.supervisor.info or {}
+        return info.get("preset") if "preset" in info else self.preset
+
     def models(self) -> list[dict]:
         from .demo import DEMO_MODELS
 
@@ -143,7 +148,7 @@ class Studio:
     def switch_model(self, model_id: str) -> dict:
         if not isinstance(model_id, str) or not model_id.strip():
             raise InvalidParameter("model must be a non-empty string", param="model")
-        job = self.queue.submit("load_model", model=model_id, params={}, preset=self.preset)
+        job = self.queue.submit("load_model", model=model_id, params={}, preset=None)
         self.supervisor.wake()
         return job
 
@@ -248,9 +253,40 @@ class Studio:
     def presets(self) -> list[dict]:
         try:
             from . import presets as preset_mod
-        except ImportError:
+        except ImportError:  # a build without the distill backend: no presets
             return []
         return preset_mod.list_presets(data_dir=self.data_dir, adapter_dirs=self.resolver.roots[1:])
+
+    def apply_preset(self, preset_id: str, timeout: float | None = 600.0) -> dict:
+        """Fuse a preset into the loaded model (a queued job, so it never lands mid-generation)."""
+        if not isinstance(preset_id, str) or not preset_id.strip():
+            raise InvalidParameter("preset must be a preset id (see presets())", param="preset")
+        return self._state_job("apply_preset", {"preset": preset_id}, timeout)
+
+    def restore_base(self, timeout: float | None = 600.0) -> dict:
+        """Back to the exact base weights (no reload)."""
+        return self._state_job("restore_base", {}, timeout)
+
+    def _state_job(self, kind: str, params: dict, timeout) -> dict:
+        job = self.queue.submit(kind, model=self.current_model(), params=params, preset=None)
+        self.supervisor.wake()
+        job = self.wait(job["id"], timeout)
+        if job["status"] in ("failed", "cancelled"):
+            raise job_error(job)
+        return job["result"] or {}
+
+
+def job_error(job: dict) -> StudioError:
+    """The StudioError a failed or cancelled job stands for (same status, type and param)."""
+    from .errors import Cancelled
+
+    if job["status"] == "cancelled":
+        return Cancelled(f"job {job['id']} was cancelled", param="job_id")
+    detail = job.get("error_detail") or {}
+    exc = StudioError(job.get("error") or "the job failed", param=detail.get("param"))
+    exc.http_status = int(detail.get("status") or 500)
+    exc.kind = detail.get("type") or "server_error"
+    return exc
 
 
 def _library_rows(model, adapter_dirs, data_dir) -> list[dict]:
@@ -312,4 +348,4 @@ def _versions() -> dict:
     return out
 
 
-__all__ = ["Studio", "FINISHED", "DEFAULT_MODEL"]
+__all__ = ["Studio", "FINISHED", "DEFAULT_MODEL", "job_error"]

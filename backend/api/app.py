@@ -20,7 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import Cancelled, InvalidParameter, StudioError
+from ..errors import InvalidParameter, StudioError
+from ..service import job_error
 from .schemas import ChatRequest, GenerationRequest, LoadAdapterRequest, UnloadAdapterRequest
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -196,18 +197,11 @@ def create_app(studio, api_key: str | None = None, *, max_body_bytes: int = MAX_
 
 
 def _raise_for(job: dict) -> None:
-    status = job["status"]
-    if status == "succeeded":
+    if job["status"] == "succeeded":
         return
-    if status == "cancelled":
-        raise Cancelled(f"job {job['id']} was cancelled", param="job_id")
-    if status == "failed":
-        detail = job.get("error_detail") or {}
-        exc = StudioError(job.get("error") or "the job failed", param=detail.get("param"))
-        exc.http_status = int(detail.get("status") or 500)
-        exc.kind = detail.get("type") or "server_error"
-        raise exc
-    raise Timeout(f"job {job['id']} is still {status}; poll GET /v1/jobs/{job['id']}", param="job_id")
+    if job["status"] in ("failed", "cancelled"):
+        raise job_error(job)
+    raise Timeout(f"job {job['id']} is still {job['status']}; poll GET /v1/jobs/{job['id']}", param="job_id")
 
 
 def _data_url(job: dict) -> tuple[str, bool]:

@@ -157,7 +157,7 @@ class Supervisor:
         kind = msg[0]
         if kind == "ready":
             self.info = msg[1]
-            self.group = group_key(self.info.get("model"), [], self.config.preset)
+            self.group = group_key(self.info.get("model"), [], self.info.get("preset"))
             self.fatal = None
             self._ready.set()
         elif kind == "fatal":
@@ -176,7 +176,7 @@ class Supervisor:
                 self.queue.finish(job_id, "cancelled", error="cancelled while running")
             job = self.current
             if job is not None and job["id"] == job_id:
-                self.group = group_key(info.get("model"), job["adapters"], job["preset"])
+                self.group = group_key(info.get("model"), job["adapters"], info.get("preset"))
             self.current = None
             self._failures_in_a_row = 0
 

@@ -33,6 +33,7 @@ class WorkerConfig:
     preset: str | None = None
     max_loras: int = 4
     max_cpu_loras: int = 16
+    adapter_dirs: tuple = ()
     threads: int | None = None  # torch CPU threads (None: torch's default)
     env: dict = field(default_factory=dict)
 
@@ -44,16 +45,45 @@ class _Worker:
         self.conn, self.cancel, self.config = conn, cancel, config
         self.manager = PipelineManager(device=config.device, dtype=config.dtype, data_dir=config.data_dir)
         self.engine = None
+        self.preset: str | None = None
         self.step_times: list[float] = []
 
     # -- model state -----------------------------------------------------------------------------
     def load(self, model_id: str) -> None:
+        """Load a model; the server's start model also gets its fused files / preset."""
         self.manager.load(model_id)
         self.engine = None
-        if self.config.lora_backend == "peft":
-            self._attach_peft(preload=self.config.lora_paths if model_id == self.config.model else ())
+        self.preset = None
+        if model_id == self.config.model:
+            if self.config.lora_backend == "distill" and self.config.lora_paths:
+                self._distill().fuse(list(self.config.lora_paths), self.config.lora_scale)
+            if self.config.preset:
+                self._distill().apply_preset(self.config.preset, list(self.config.adapter_dirs))
+                self.preset = self.config.preset
+        self._attach_peft()
 
-    def _attach_peft(self, preload) -> None:
+    def _distill(self):
+        if not hasattr(self.manager, "fuse"):
+            from backend.errors import StudioError
+
+            raise StudioError("the distill backend is not part of this build", param="lora_backend")
+        return self.manager
+
+    def set_preset(self, preset_id: str | None) -> dict:
+        """Fuse a preset (or go back to base); PEFT adapters then merge on top of the new base."""
+        if self.engine is not None:
+            self.engine.deactivate()  # merged adapters come off before the base changes
+        manager = self._distill()
+        manager.restore_base()
+        defaults = manager.apply_preset(preset_id, list(self.config.adapter_dirs)) if preset_id else {}
+        self.preset = preset_id
+        self._attach_peft()  # its pristine copies must be of the new base
+        return {"preset": preset_id, "defaults": defaults, "fused": manager.fused_state()}
+
+    def _attach_peft(self) -> None:
+        if self.config.lora_backend != "peft":
+            return
+        preload = self.config.lora_paths if self.manager.model_id == self.config.model else ()
         try:
             from backend.lora import attach
         except ImportError:  # the PEFT backend is not installed in this build: base model only
@@ -65,7 +95,8 @@ class _Worker:
         import torch
 
         m = self.manager
-        out = {"pid": os.getpid(), "model": m.model_id, "device": str(m.device),
+        out = {"pid": os.getpid(), "model": m.model_id, "preset": self.preset,
+               "fused": m.fused_state() if hasattr(m, "fused_state") else {"state": "base"}, "device": str(m.device),
                "dtype": str(m.dtype).replace("torch.", ""), "lora_backend": self.config.lora_backend,
                "pipeline": m.spec.class_name if m.spec else None,
                "seconds_per_step": (sum(self.step_times) / len(self.step_times)) if self.step_times else None}
@@ -115,6 +146,10 @@ class _Worker:
             self.load(job["model"])
         if kind == "load_model":
             return {"model": self.manager.model_id}
+        if kind == "apply_preset":
+            return self.set_preset(job["params"]["preset"])
+        if kind == "restore_base":
+            return self.set_preset(None)
         if kind != "generate":
             from backend.errors import StudioError
 
