@@ -140,8 +140,6 @@ def cmd_serve(args) -> int:
         raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS", param="share")
     if args.auth is not None and not all(args.auth.partition(":")[::2]):
         raise InvalidParameter("--auth must be USER:PASS", param="auth")
-    if args.share:
-        raise InvalidParameter("--share is not supported by this server build yet", param="share")
     from backend.api import create_app, serve
     from backend.service import Studio
 
@@ -158,10 +156,37 @@ def cmd_serve(args) -> int:
             mount = None
         if mount is not None:
             mount(app, studio, auth=args.auth)  # last, so the API routes keep priority
+        if args.share:
+            if mount is None:
+                raise InvalidParameter("--share shares the UI, and this build has no ui package", param="share")
+            _share_when_listening(args.host, args.port, args.auth)
         serve(app, host=args.host, port=args.port)
     finally:
         studio.close()
     return 0
+
+
+def _share_when_listening(host: str, port: int, auth: str) -> None:
+    """Open the public share tunnel (ui.share_link) once the server accepts connections."""
+    import socket
+    import threading
+    import time
+
+    from ui import share_link
+
+    def tunnel():
+        for _ in range(600):
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        try:
+            print(f"public URL: {share_link(host, port, auth=auth)}", flush=True)
+        except Exception as exc:  # offline, blocked: the local server keeps running
+            print(f"error: could not open a share link: {exc}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=tunnel, name="share-tunnel", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,7 +96,8 @@ class _Worker:
 
         m = self.manager
         out = {"pid": os.getpid(), "model": m.model_id, "preset": self.preset,
-               "fused": m.fused_state() if hasattr(m, "fused_state") else {"state": "base"}, "device": str(m.device),
+               "fused": {**(m.fused_state() if hasattr(m, "fused_state") else {"state": "base"}),
+                         "preset": self.preset}, "device": str(m.device),
                "dtype": str(m.dtype).replace("torch.", ""), "lora_backend": self.config.lora_backend,
                "pipeline": m.spec.class_name if m.spec else None,
                "seconds_per_step": (sum(self.step_times) / len(self.step_times)) if self.step_times else None}
