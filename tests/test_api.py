@@ -215,3 +215,20 @@ def test_oversized_body_is_refused(studio):
 def test_video_route_refuses_an_image_model(url):
     e = _err(httpx.post(f"{url}/v1/videos/generations", json={"prompt": "x", **FAST}, timeout=60), 400)
     assert "images/generations" in e["message"]
+
+
+def test_model_switch_is_a_queued_job_and_requests_may_name_a_served_model(url, studio):
+    switch = studio.switch_model("demo:sd3.5")
+    assert switch["kind"] == "load_model"
+    assert studio.wait(switch["id"], 300)["status"] == "succeeded"
+    models = httpx.get(f"{url}/v1/models").json()["data"]
+    assert [m["id"] for m in models if m["loaded"]] == ["demo:sd3.5"]
+    assert studio.system()["pipeline"] == "StableDiffusion3Pipeline"
+    # Qwen's field is refused by name on SD3 before anything is queued
+    e = _err(httpx.post(f"{url}/v1/images/generations", json={"prompt": "x", "true_cfg_scale": 1.0}), 400)
+    assert e["param"] == "true_cfg_scale"
+    # a request naming another served model switches to it (the job carries its model)
+    r = httpx.post(f"{url}/v1/images/generations", timeout=300,
+                   json={"model": "demo:qwen-image", "prompt": "x", **FAST}).json()
+    assert r["data"][0]["metadata"]["pipeline"] == "QwenImagePipeline"
+    assert studio.current_model() == "demo:qwen-image"

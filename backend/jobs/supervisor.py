@@ -8,6 +8,7 @@ with the reason, a new worker is started and the queue continues.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import signal
@@ -17,7 +18,7 @@ from multiprocessing.connection import wait
 
 from ..errors import StudioError
 from . import worker as worker_mod
-from .queue import JobQueue, group_key
+from .queue import BARRIER_KINDS, JobQueue, group_key
 
 log = logging.getLogger("lora_studio.jobs")
 
@@ -31,6 +32,7 @@ class WorkerStartError(StudioError):
 class Supervisor:
     def __init__(self, queue: JobQueue, config: worker_mod.WorkerConfig):
         self.queue, self.config = queue, config
+        self._start_config = config
         self._ctx = mp.get_context("spawn")
         self._cancel = self._ctx.Event()
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
@@ -177,6 +179,8 @@ class Supervisor:
             job = self.current
             if job is not None and job["id"] == job_id:
                 self.group = group_key(info.get("model"), job["adapters"], info.get("preset"))
+                if job["kind"] in BARRIER_KINDS:
+                    self._remember_state(info)
             self.current = None
             self._failures_in_a_row = 0
 
@@ -211,6 +215,14 @@ class Supervisor:
         if not self._stop.is_set():
             self.restarts += 1
             self._spawn()
+
+
+    def _remember_state(self, info: dict) -> None:
+        """A restarted worker comes back with the model and preset the last one had switched to."""
+        start = self._start_config
+        model = info.get("model") or start.model
+        self.config = dataclasses.replace(start, model=model, preset=info.get("preset"),
+                                          lora_paths=start.lora_paths if model == start.model else ())
 
 
 def _exit_reason(code: int | None) -> str:
