@@ -232,3 +232,19 @@ def test_model_switch_is_a_queued_job_and_requests_may_name_a_served_model(url, 
                    json={"model": "demo:qwen-image", "prompt": "x", **FAST}).json()
     assert r["data"][0]["metadata"]["pipeline"] == "QwenImagePipeline"
     assert studio.current_model() == "demo:qwen-image"
+
+
+def test_oversized_chunked_body_is_refused(studio):
+    srv = ThreadedServer(create_app(studio, max_body_bytes=1000)).start()
+    try:
+        def chunks():  # no Content-Length: the limit is enforced as the body streams in
+            yield b'{"prompt": "'
+            for _ in range(10):
+                yield b"x" * 200
+            yield b'"}'
+
+        r = httpx.post(f"{srv.url}/v1/images/generations", content=chunks(),
+                       headers={"content-type": "application/json"})
+        assert _err(r, 413)
+    finally:
+        srv.stop()

@@ -42,6 +42,42 @@ class BodyTooLarge(StudioError):
     http_status = 413
 
 
+class BodyLimit:
+    """Refuse request bodies over ``max_bytes`` (413), by Content-Length or as they stream in."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(scope, receive, send, int(length))
+        # read the (JSON) body up to the limit first, then hand it on: a body streamed
+        # without Content-Length is held to the same bound
+        chunks, seen, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                return await self._refuse(scope, receive, send, seen)
+            more = message.get("more_body", False)
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, scope, receive, send, length: int):
+        exc = BodyTooLarge(f"request body of {length}+ bytes is over the {self.max_bytes}-byte limit")
+        await _studio_error(exc)(scope, receive, send)
+
+
 def error_body(message: str, kind: str, param=None, code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -72,13 +108,7 @@ def create_app(studio, api_key: str | None = None, *, max_body_bytes: int = MAX_
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind, None, exc.status_code), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return _studio_error(BodyTooLarge(f"request body of {int(length)} bytes is over the "
-                                              f"{max_body_bytes}-byte limit"))
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     def require_key(request: Request) -> None:
         if api_key is None:
