@@ -146,8 +146,59 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    print("the server arrives with the job queue; for now use `python app.py generate`", file=sys.stderr)
-    return 2
+    from backend.errors import InvalidParameter
+
+    if args.share and not args.auth:  # a share link is public: never without a login
+        raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS", param="share")
+    if args.auth is not None and not all(args.auth.partition(":")[::2]):
+        raise InvalidParameter("--auth must be USER:PASS", param="auth")
+    from backend.api import create_app, serve
+    from backend.service import Studio
+
+    studio = Studio(args.model, data_dir=args.data_dir, adapter_dirs=args.adapter_dir,
+                    lora_backend=args.lora_backend, lora_paths=args.lora_path, lora_scale=args.lora_scale,
+                    preset=args.preset, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+                    max_queue=args.max_queue, device=args.device, dtype=args.dtype)
+    try:
+        studio.start()
+        app = create_app(studio, api_key=args.api_key)
+        try:
+            from ui import mount
+        except ImportError:  # a build without the UI package: the HTTP API alone
+            mount = None
+        if mount is not None:
+            mount(app, studio, auth=args.auth)  # last, so the API routes keep priority
+        if args.share:
+            if mount is None:
+                raise InvalidParameter("--share shares the UI, and this build has no ui package", param="share")
+            _share_when_listening(args.host, args.port, args.auth)
+        serve(app, host=args.host, port=args.port)
+    finally:
+        studio.close()
+    return 0
+
+
+def _share_when_listening(host: str, port: int, auth: str) -> None:
+    """Open the public share tunnel (ui.share_link) once the server accepts connections."""
+    import socket
+    import threading
+    import time
+
+    from ui import share_link
+
+    def tunnel():
+        for _ in range(600):
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        try:
+            print(f"public URL: {share_link(host, port, auth=auth)}", flush=True)
+        except Exception as exc:  # offline, blocked: the local server keeps running
+            print(f"error: could not open a share link: {exc}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=tunnel, name="share-tunnel", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,121 @@
+"""Request bodies (pydantic) and how a body's generation fields are gathered.
+
+Generation fields may sit at the top level of the JSON or inside a literal
+``"extra_body"`` object (the seed's curl sends them that way; the openai client
+flattens its ``extra_body=`` to the top level). Unknown generation fields are passed
+on so the model's spec can name them in its 400.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+from ..errors import InvalidParameter
+
+# OpenAI request keys that mean nothing for diffusion; accepted and ignored
+IGNORED_KEYS = frozenset({"stream", "temperature", "top_p", "max_tokens", "max_completion_tokens", "user",
+                          "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "stop",
+                          "modalities", "quality", "style", "background", "output_format", "moderation",
+                          "stream_options", "metadata", "store", "parallel_tool_calls", "n_threads"})
+
+
+class LoraSpec(BaseModel):
+    """The per-request ``lora`` object, with vLLM-Omni's aliases."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = Field(None, validation_alias=AliasChoices("name", "lora_name", "adapter"))
+    path: str | None = Field(None, validation_alias=AliasChoices("path", "local_path", "lora_path"))
+    scale: float | dict[str, float] = Field(1.0, validation_alias=AliasChoices("scale", "lora_scale"))
+    int_id: int | None = Field(None, validation_alias=AliasChoices("int_id", "lora_int_id"))
+
+    def as_request(self) -> dict:
+        return {"name": self.name, "path": self.path, "scale": self.scale, "int_id": self.int_id}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    extra_body: dict[str, Any] | None = None
+    lora: LoraSpec | list[LoraSpec] | None = None
+    n: int = Field(1, ge=1, le=8)
+
+    def fields(self, exclude: frozenset = frozenset()) -> dict:
+        """Generation fields from the top level and from ``extra_body`` (which wins)."""
+        out = {k: v for k, v in (self.model_extra or {}).items() if k not in IGNORED_KEYS and k not in exclude}
+        inner = dict(self.extra_body or {})
+        inner.pop("lora", None)
+        out.update({k: v for k, v in inner.items() if k not in IGNORED_KEYS and k not in exclude})
+        return out
+
+    def adapters(self) -> list[dict] | None:
+        raw = self.lora
+        if raw is None and self.extra_body and "lora" in self.extra_body:
+            value = self.extra_body["lora"]
+            raw = [LoraSpec.model_validate(v) for v in value] if isinstance(value, list) else \
+                LoraSpec.model_validate(value)
+        if raw is None:
+            return None
+        return [s.as_request() for s in (raw if isinstance(raw, list) else [raw])]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+    def prompt_and_image(self) -> tuple[str, str | None]:
+        """The last user message's text, and its image (a data URL), if it carries one."""
+        for msg in reversed(self.messages):
+            if msg.role != "user":
+                continue
+            if isinstance(msg.content, str):
+                return msg.content, None
+            texts, image = [], None
+            for part in msg.content or []:
+                if part.get("type") == "text":
+                    texts.append(str(part.get("text", "")))
+                elif part.get("type") == "image_url":
+                    url = part.get("image_url")
+                    image = url.get("url") if isinstance(url, dict) else url
+            return " ".join(texts), image
+        raise InvalidParameter("messages must contain a user message with the prompt", param="messages")
+
+
+class GenerationRequest(_Body):
+    prompt: str
+    size: str | None = None
+    response_format: str = "b64_json"
+
+    @field_validator("response_format")
+    @classmethod
+    def _b64_only(cls, v: str) -> str:
+        if v != "b64_json":
+            raise ValueError("only 'b64_json' is supported (results are returned inline)")
+        return v
+
+    def size_fields(self) -> dict:
+        if self.size in (None, "", "auto"):
+            return {}
+        try:
+            w, h = (int(x) for x in self.size.lower().split("x"))
+        except ValueError:
+            raise InvalidParameter(f"size must be 'WIDTHxHEIGHT' (e.g. '1024x1024'), got {self.size!r}",
+                                   param="size") from None
+        return {"width": w, "height": h}
+
+
+class LoadAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

@@ -1,0 +1,67 @@
+"""Running the app with uvicorn: in the foreground (``serve``) or in a thread (tests, embedding)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 7860, log_level: str = "info") -> None:
+    """Serve in the foreground until SIGINT/SIGTERM, then return (so callers' cleanup runs)."""
+    import signal
+    import uvicorn
+
+    def _stop(signum, frame):
+        raise SystemExit(0)
+
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler it found:
+    # ours turns that into SystemExit, so `finally:` blocks (stopping the worker) still run.
+    previous = signal.signal(signal.SIGTERM, _stop) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class ThreadedServer:
+    """uvicorn in a background thread; ``stop()`` shuts it down."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.host = host
+        self.port = port or free_port(host)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level=log_level))
+        self.thread = threading.Thread(target=self.server.run, name="lora-studio-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ThreadedServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {self.url}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def start_in_thread(app, host: str = "127.0.0.1", port: int = 0) -> ThreadedServer:
+    return ThreadedServer(app, host, port).start()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,148 @@
+"""Which adapter file a request means, and whether it may use it.
+
+A request names an adapter by ``name`` (one registered with /v1/load_lora_adapter, or
+one in the library) and/or by ``path``. A path must resolve, symlinks followed, inside
+one of the adapter roots (``<data-dir>/adapters`` and every ``--adapter-dir``), else
+PathNotAllowed (403): ``..``, absolute paths elsewhere and links pointing out are all
+refused the same way, and nothing is said about whether the file exists out there.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import AdapterNotFound, InvalidParameter, PathNotAllowed
+from .. import settings
+
+
+@dataclass(frozen=True)
+class ResolvedAdapter:
+    name: str
+    path: str
+    scale: float | dict
+    int_id: int
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "path": self.path, "scale": self.scale, "int_id": self.int_id}
+
+
+class AdapterResolver:
+    def __init__(self, adapter_dirs=(), data_dir=None):
+        self.data_dir = data_dir
+        roots = [settings.adapters_dir(data_dir), *adapter_dirs]
+        self.roots: list[Path] = []
+        for r in roots:
+            p = Path(r).expanduser().resolve()
+            if p not in self.roots:
+                self.roots.append(p)
+        self._registered: dict[str, str] = {}  # name -> resolved path (vLLM's load_lora_adapter)
+        self._ids: dict[str, int] = {}  # resolved path -> stable lora_int_id
+        self._lock = threading.Lock()
+
+    # -- paths -----------------------------------------------------------------------------------
+    def check_path(self, raw: str, param: str = "lora.path") -> Path:
+        if not isinstance(raw, str) or not raw.strip():
+            raise InvalidParameter(f"{param} must be a non-empty string", param=param)
+        given = Path(raw).expanduser()
+        candidates = [given] if given.is_absolute() else [root / given for root in self.roots]
+        for cand in candidates:
+            if not os.path.lexists(cand):
+                continue
+            real = cand.resolve()  # follows every symlink on the way, the last one included
+            if not self._inside(real):
+                break  # it exists, but out there: refused below, whatever it is
+            if real.exists():
+                return real
+        else:
+            if any(self._inside(c.resolve()) for c in candidates):
+                raise AdapterNotFound(f"adapter path {raw!r} does not exist under the adapter roots", param=param)
+        raise PathNotAllowed(f"adapter path {raw!r} resolves outside the adapter roots "
+                             f"({', '.join(map(str, self.roots))})", param=param)
+
+    def _inside(self, real: Path) -> bool:
+        return any(real == root or real.is_relative_to(root) for root in self.roots)
+
+    def int_id(self, path: Path) -> int:
+        with self._lock:
+            return self._ids.setdefault(str(path), len(self._ids) + 1)
+
+    # -- names -----------------------------------------------------------------------------------
+    def register(self, name: str, path: str) -> ResolvedAdapter:
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidParameter("lora_name must be a non-empty string", param="lora_name")
+        real = self.check_path(path, "lora_path")
+        _inspect(real, name)
+        with self._lock:
+            self._registered[name] = str(real)
+        return ResolvedAdapter(name, str(real), 1.0, self.int_id(real))
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            if self._registered.pop(name, None) is None:
+                raise AdapterNotFound(f"no adapter named {name!r} was loaded with /v1/load_lora_adapter",
+                                      param="lora_name")
+
+    def registered(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._registered)
+
+    def by_name(self, name: str) -> Path:
+        with self._lock:
+            if name in self._registered:
+                return Path(self._registered[name])
+        try:
+            from ..lora.library import find
+        except ImportError:
+            find = None
+        entry = find(name, self.roots[1:], self.data_dir) if find is not None else None
+        if entry is None:
+            raise AdapterNotFound(f"no adapter named {name!r} in the library or loaded with "
+                                  "/v1/load_lora_adapter", param="lora.name")
+        if entry.error:
+            raise InvalidParameter(f"adapter {name!r} cannot be used: {entry.error}", param="lora.name")
+        return Path(entry.path).resolve()
+
+    # -- a request's adapters ---------------------------------------------------------------------
+    def resolve(self, specs: list[dict] | None) -> list[ResolvedAdapter]:
+        """[{"name", "path", "scale", "int_id"}] (any of name/path) -> checked, resolved adapters."""
+        out = []
+        for i, spec in enumerate(specs or []):
+            where = f"lora[{i}]" if len(specs) > 1 else "lora"
+            if not isinstance(spec, dict):
+                raise InvalidParameter(f"{where} must be an object with a name and/or path", param=where)
+            name, path = spec.get("name"), spec.get("path")
+            if not name and not path:
+                raise InvalidParameter(f"{where} needs a name or a path", param=f"{where}.name")
+            real = self.check_path(path, f"{where}.path") if path else self.by_name(name)
+            if not name:
+                name = real.name if real.is_dir() else real.stem
+            scale = _scale(spec.get("scale", 1.0), f"{where}.scale")
+            int_id = spec.get("int_id")
+            if int_id is None:
+                int_id = self.int_id(real)
+            elif isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 1:
+                raise InvalidParameter(f"{where}.int_id must be a positive integer, got {int_id!r}",
+                                       param=f"{where}.int_id")
+            out.append(ResolvedAdapter(str(name), str(real), scale, int_id))
+        return out
+
+
+def _scale(value, param: str):
+    if isinstance(value, dict):
+        return {str(k): _scale(v, f"{param}.{k}") for k, v in value.items()}
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidParameter(f"{param} must be a finite number (or one per component), got {value!r}",
+                               param=param)
+    return float(value)
+
+
+def _inspect(path: Path, name: str) -> None:
+    """Read the adapter's header now, so a broken file is refused at load time, not mid-job."""
+    try:
+        from ..lora.formats import inspect
+    except ImportError:
+        return
+    inspect(path, name)

@@ -1,0 +1,289 @@
+"""The persistent job queue: one SQLite table (WAL), one row per job.
+
+A job is a row before anyone is told it was accepted (``submit`` commits, then
+returns). Statuses: queued -> running -> succeeded | failed | cancelled.
+
+Ordering is FIFO with bounded affinity reordering: when the worker has model M with
+adapters A set up, a queued job needing the same (M, A) may run before older jobs
+that need something else, which saves a switch. Each time a job is passed over its
+``overtaken`` count goes up; the head of the queue is never passed over more than
+``max_overtake`` times, so no job waits behind more than that many later jobs.
+Control jobs (model switch, preset apply/restore) change what later jobs run on,
+so nothing is ever moved in front of one.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from ..errors import StudioError
+
+STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+FINISHED = ("succeeded", "failed", "cancelled")
+# kinds that change the worker's state for every later job: never reordered around
+BARRIER_KINDS = frozenset({"load_model", "apply_preset", "restore_base"})
+KINDS = frozenset({"generate"}) | BARRIER_KINDS
+
+
+class QueueFull(StudioError):
+    http_status = 429
+    kind = "rate_limit_error"
+
+
+class JobNotFound(StudioError):
+    http_status = 404
+    kind = "not_found_error"
+
+
+def group_key(model: str | None, adapters: list[dict] | None, preset: str | None) -> str:
+    """What a job needs set up on the device; equal keys run back to back without a switch."""
+    parts = sorted((a.get("path") or a.get("name") or "", json.dumps(a.get("scale"), sort_keys=True))
+                   for a in adapters or [])
+    return json.dumps([model, preset, parts])
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    kind TEXT NOT NULL,
+    status TEXT NOT NULL,
+    model TEXT,
+    params TEXT NOT NULL,
+    adapters TEXT NOT NULL,
+    preset TEXT,
+    grp TEXT NOT NULL,
+    step INTEGER NOT NULL DEFAULT 0,
+    total INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    result TEXT,
+    error TEXT,
+    error_detail TEXT,
+    overtaken INTEGER NOT NULL DEFAULT 0,
+    requeues INTEGER NOT NULL DEFAULT 0,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    dispatch_no INTEGER
+);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
+"""
+
+
+class JobQueue:
+    def __init__(self, path: str | Path, *, max_queue: int = 256, max_overtake: int = 4):
+        if max_queue < 1:
+            raise StudioError(f"max_queue must be at least 1, got {max_queue}", param="max_queue")
+        if max_overtake < 0:
+            raise StudioError(f"max_overtake must be >= 0, got {max_overtake}", param="max_overtake")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_queue, self.max_overtake = max_queue, max_overtake
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # FULL: an accepted job survives a power cut, not only a process crash
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- writes ----------------------------------------------------------------------------------
+    def _tx(self):
+        return _Tx(self)
+
+    def submit(self, kind: str, *, model: str | None, params: dict, adapters: list[dict] | None = None,
+               preset: str | None = None) -> dict:
+        if kind not in KINDS:
+            raise StudioError(f"unknown job kind {kind!r}; one of {', '.join(sorted(KINDS))}", param="kind")
+        job_id = uuid.uuid4().hex[:16]
+        adapters = list(adapters or [])
+        with self._tx() as db:
+            depth = db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued'").fetchone()[0]
+            if depth >= self.max_queue:
+                raise QueueFull(f"the job queue is full ({depth} queued, --max-queue {self.max_queue}); "
+                                "retry later")
+            db.execute("INSERT INTO jobs (id, kind, status, model, params, adapters, preset, grp, created_at) "
+                       "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
+                       (job_id, kind, model, json.dumps(params), json.dumps(adapters), preset,
+                        group_key(model, adapters, preset), time.time()))
+        return self.get(job_id)
+
+    def claim(self, current_group: str | None) -> dict | None:
+        """Mark the next job running (see the module docstring for the order) and return it."""
+        with self._tx() as db:
+            rows = db.execute("SELECT seq, id, kind, grp, overtaken FROM jobs WHERE status='queued' "
+                              "ORDER BY seq").fetchall()
+            if not rows:
+                return None
+            pick = rows[0]
+            if pick["overtaken"] < self.max_overtake and pick["kind"] not in BARRIER_KINDS \
+                    and current_group is not None and pick["grp"] != current_group:
+                for row in rows[1:]:
+                    if row["kind"] in BARRIER_KINDS:
+                        break
+                    if row["grp"] == current_group:
+                        pick = row
+                        break
+            if pick["seq"] != rows[0]["seq"]:
+                db.execute("UPDATE jobs SET overtaken = overtaken + 1 WHERE status='queued' AND seq < ?",
+                           (pick["seq"],))
+            number = db.execute("SELECT COALESCE(MAX(dispatch_no), 0) + 1 FROM jobs").fetchone()[0]
+            db.execute("UPDATE jobs SET status='running', started_at=?, step=0, total=0, dispatch_no=? "
+                       "WHERE seq=?", (time.time(), number, pick["seq"]))
+        return self.get(pick["id"])
+
+    def progress(self, job_id: str, step: int, total: int) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET step=?, total=? WHERE id=? AND status='running'", (step, total, job_id))
+
+    def finish(self, job_id: str, status: str, *, result: dict | None = None, error: str | None = None,
+               error_detail: dict | None = None) -> dict:
+        """Record the end of a running job. ``result`` names files that are already durable;
+        ``error_detail`` is {"status", "type", "param"} of the StudioError that failed it."""
+        if status not in FINISHED:
+            raise ValueError(f"finish() takes one of {FINISHED}, got {status!r}")
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET status=?, finished_at=?, result=?, error=?, error_detail=? "
+                       "WHERE id=? AND status='running'",
+                       (status, time.time(), json.dumps(result) if result is not None else None, error,
+                        json.dumps(error_detail) if error_detail else None, job_id))
+        return self.get(job_id)
+
+    def cancel(self, job_id: str) -> tuple[dict, bool]:
+        """Cancel a queued job now; flag a running one. Returns (job, is_running)."""
+        with self._tx() as db:
+            row = self._row(db, job_id)
+            if row["status"] == "queued":
+                db.execute("UPDATE jobs SET status='cancelled', finished_at=?, error=? WHERE id=?",
+                           (time.time(), "cancelled while queued", job_id))
+            elif row["status"] == "running":
+                db.execute("UPDATE jobs SET cancel_requested=1 WHERE id=?", (job_id,))
+        job = self.get(job_id)
+        return job, job["status"] == "running"
+
+    def cancel_requested(self, job_id: str) -> bool:
+        with self._lock:
+            row = self._db.execute("SELECT cancel_requested FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return bool(row and row[0])
+
+    def recover(self) -> dict:
+        """After a server restart: jobs left 'running' are re-queued once, then failed."""
+        with self._tx() as db:
+            rows = db.execute("SELECT id, requeues FROM jobs WHERE status='running'").fetchall()
+            requeued = failed = 0
+            for row in rows:
+                if row["requeues"] < 1:
+                    db.execute("UPDATE jobs SET status='queued', requeues=requeues+1, step=0, total=0, "
+                               "started_at=NULL WHERE id=?", (row["id"],))
+                    requeued += 1
+                else:
+                    db.execute("UPDATE jobs SET status='failed', finished_at=?, error=? WHERE id=?",
+                               (time.time(), "interrupted by a server restart twice; not retried again",
+                                row["id"]))
+                    failed += 1
+        return {"requeued": requeued, "failed": failed}
+
+    # -- reads -----------------------------------------------------------------------------------
+    def get(self, job_id: str) -> dict:
+        with self._lock:
+            return self._to_dict(self._row(self._db, job_id))
+
+    def list(self, limit: int = 100, status: str | None = None) -> list[dict]:
+        if status is not None and status not in STATUSES:
+            raise StudioError(f"unknown status {status!r}; one of {', '.join(STATUSES)}", param="status")
+        with self._lock:
+            if status:
+                rows = self._db.execute("SELECT * FROM jobs WHERE status=? ORDER BY seq DESC LIMIT ?",
+                                        (status, limit)).fetchall()
+            else:
+                rows = self._db.execute("SELECT * FROM jobs ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+            return [self._to_dict(r) for r in rows]
+
+    def counts(self) -> dict:
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+        out = {s: 0 for s in STATUSES}
+        out.update({r[0]: r[1] for r in rows})
+        return out
+
+    def scheduler_stats(self) -> dict:
+        """Setup switches in the order jobs actually ran vs the FIFO order of the same jobs."""
+        with self._lock:
+            rows = self._db.execute("SELECT seq, dispatch_no, grp, overtaken FROM jobs "
+                                    "WHERE dispatch_no IS NOT NULL").fetchall()
+        ran = [r["grp"] for r in sorted(rows, key=lambda r: r["dispatch_no"])]
+        fifo = [r["grp"] for r in sorted(rows, key=lambda r: r["seq"])]
+        actual, plain = _switches(ran), _switches(fifo)
+        return {"dispatched": len(rows), "switches": actual, "fifo_switches": plain,
+                "switches_saved": plain - actual, "max_overtake": self.max_overtake,
+                "max_overtaken_seen": max((r["overtaken"] for r in rows), default=0)}
+
+    def wait(self, job_id: str, timeout: float | None = None) -> dict:
+        """Block until the job is finished (or the timeout passes); returns its dict."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                job = self.get(job_id)
+                if job["status"] in FINISHED:
+                    return job
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return job
+                self._changed.wait(timeout=0.5 if left is None else min(left, 0.5))
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _row(db, job_id: str):
+        row = db.execute("SELECT * FROM jobs WHERE id=?", (str(job_id),)).fetchone()
+        if row is None:
+            raise JobNotFound(f"no job with id {job_id!r}", param="job_id")
+        return row
+
+    def _to_dict(self, row) -> dict:
+        position = None
+        if row["status"] == "queued":
+            position = self._db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued' AND seq <= ?",
+                                        (row["seq"],)).fetchone()[0]
+        return {
+            "id": row["id"], "kind": row["kind"], "status": row["status"],
+            "progress": {"step": row["step"], "total": row["total"]}, "queue_position": position,
+            "model": row["model"], "params": json.loads(row["params"]), "adapters": json.loads(row["adapters"]),
+            "preset": row["preset"], "created_at": row["created_at"], "started_at": row["started_at"],
+            "finished_at": row["finished_at"], "result": json.loads(row["result"]) if row["result"] else None,
+            "error": row["error"], "error_detail": json.loads(row["error_detail"]) if row["error_detail"] else None,
+            "overtaken": row["overtaken"], "requeues": row["requeues"],
+        }
+
+
+class _Tx:
+    """BEGIN IMMEDIATE ... COMMIT under the queue's lock; waiters are woken on commit."""
+
+    def __init__(self, queue: JobQueue):
+        self.q = queue
+
+    def __enter__(self):
+        self.q._lock.acquire()
+        self.q._db.execute("BEGIN IMMEDIATE")
+        return self.q._db
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.q._db.execute("ROLLBACK" if exc_type else "COMMIT")
+            if exc_type is None:
+                self.q._changed.notify_all()
+        finally:
+            self.q._lock.release()
+        return False
+
+
+def _switches(groups: list[str]) -> int:
+    return sum(1 for a, b in zip(groups, groups[1:]) if a != b)

@@ -1,0 +1,236 @@
+"""The supervisor: starts the worker process, feeds it jobs from the queue, records
+what comes back, and restarts it when it dies.
+
+One thread does all of it, waiting on the worker's pipe, its process sentinel and a
+wake-up pipe (poked on submit/cancel), so the order of events is never ambiguous.
+If the worker dies mid-job (segfault, OOM kill, ``kill -9``) that job is marked failed
+with the reason, a new worker is started and the queue continues.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import signal
+import threading
+import time
+from multiprocessing.connection import wait
+
+from ..errors import StudioError
+from . import worker as worker_mod
+from .queue import BARRIER_KINDS, JobQueue, group_key
+
+log = logging.getLogger("lora_studio.jobs")
+
+RESTART_BACKOFF_S = (0.2, 1.0, 2.0, 5.0, 10.0)
+
+
+class WorkerStartError(StudioError):
+    """The worker could not load the model it was started with."""
+
+
+class Supervisor:
+    def __init__(self, queue: JobQueue, config: worker_mod.WorkerConfig):
+        self.queue, self.config = queue, config
+        self._start_config = config
+        self._ctx = mp.get_context("spawn")
+        self._cancel = self._ctx.Event()
+        self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        self._controls: list[dict] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.proc = None
+        self.conn = None
+        self.current: dict | None = None  # the job the worker is running
+        self.group: str | None = None  # what the worker has set up (queue.group_key)
+        self.info: dict = {}  # the worker's last report (model, spec, cache, memory)
+        self.fatal: str | None = None
+        self.restarts = 0
+        self.deaths: list[dict] = []
+        self._failures_in_a_row = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, *, wait_ready: bool = True, timeout: float = 600.0) -> None:
+        self._spawn()
+        self._thread = threading.Thread(target=self._loop, name="lora-studio-supervisor", daemon=True)
+        self._thread.start()
+        if wait_ready:
+            deadline = time.monotonic() + timeout
+            while not self._ready.wait(0.1):
+                if self.fatal:
+                    self.stop()
+                    raise WorkerStartError(f"the worker could not start: {self.fatal}", param="model")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise WorkerStartError(f"the worker did not become ready within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        proc, conn = self.proc, self.conn
+        if proc is not None and proc.is_alive():
+            try:
+                conn.send({"op": "stop"})
+            except (OSError, ValueError):
+                pass
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def wake(self) -> None:
+        try:
+            self._wake_w.send_bytes(b"!")
+        except (OSError, ValueError):
+            pass
+
+    def cancel_running(self, job_id: str) -> None:
+        if self.current is not None and self.current["id"] == job_id:
+            self._cancel.set()
+
+    def control(self, msg: dict) -> None:
+        """Send a message to the worker between jobs (e.g. drop an adapter from its cache)."""
+        with self._lock:
+            self._controls.append(msg)
+        self.wake()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=worker_mod.main, args=(child, self._cancel, self.config),
+                                 name="lora-studio-worker", daemon=True)
+        proc.start()
+        child.close()
+        self.proc, self.conn = proc, parent
+        self._ready.clear()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception:  # never let the supervisor die: log and go on
+                log.exception("supervisor error")
+                time.sleep(0.5)
+
+    def _tick(self) -> None:
+        if not self.proc.is_alive():
+            self._on_death()
+            return
+        if self._ready.is_set() and self.current is None:
+            self._dispatch()
+        ready = wait([self.conn, self.proc.sentinel, self._wake_r], timeout=1.0)
+        if self._wake_r in ready:
+            while self._wake_r.poll():
+                self._wake_r.recv_bytes()
+        if self.conn in ready:
+            try:
+                while self.conn.poll():
+                    self._on_message(self.conn.recv())
+            except (EOFError, OSError):
+                pass  # the sentinel reports the death on the next tick
+
+    def _dispatch(self) -> None:
+        with self._lock:
+            controls, self._controls = self._controls, []
+        for msg in controls:
+            self.conn.send(msg)
+        job = self.queue.claim(self.group)
+        if job is None:
+            return
+        self._cancel.clear()
+        self.current = job
+        self.conn.send({"op": "job", "job": job})
+        if self.queue.cancel_requested(job["id"]):  # cancelled between claim and send
+            self._cancel.set()
+
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            self.info = msg[1]
+            self.group = group_key(self.info.get("model"), [], self.info.get("preset"))
+            self.fatal = None
+            self._ready.set()
+        elif kind == "fatal":
+            self.fatal = msg[1]
+        elif kind == "progress":
+            self.queue.progress(msg[1], msg[2], msg[3])
+        elif kind in ("done", "failed", "cancelled"):
+            job_id, info = msg[1], msg[-1]
+            self.info = info
+            if kind == "done":
+                self.queue.finish(job_id, "succeeded", result=msg[2])
+            elif kind == "failed":
+                detail = dict(msg[2])
+                self.queue.finish(job_id, "failed", error=detail.pop("message"), error_detail=detail)
+            else:
+                self.queue.finish(job_id, "cancelled", error="cancelled while running")
+            job = self.current
+            if job is not None and job["id"] == job_id:
+                self.group = group_key(info.get("model"), job["adapters"], info.get("preset"))
+                if job["kind"] in BARRIER_KINDS:
+                    self._remember_state(info)
+            self.current = None
+            self._failures_in_a_row = 0
+
+    def _on_death(self) -> None:
+        # messages sent just before the death are still in the pipe: record them first
+        try:
+            while self.conn.poll():
+                self._on_message(self.conn.recv())
+        except (EOFError, OSError):
+            pass
+        code = self.proc.exitcode
+        reason = _exit_reason(code)
+        self.deaths.append({"at": time.time(), "exitcode": code, "reason": reason,
+                            "job": self.current["id"] if self.current else None})
+        if self.current is not None:
+            self.queue.finish(self.current["id"], "failed",
+                              error=f"the worker process died ({reason}) while running this job; "
+                                    "it was restarted",
+                              error_detail={"status": 500, "type": "server_error", "param": None})
+            self.current = None
+        self.group = None
+        self.conn.close()
+        if self._stop.is_set():
+            return
+        if self.fatal and not self._ready.is_set() and self.restarts == 0:
+            self._stop.set()  # it never came up: start() reports self.fatal
+            return
+        delay = RESTART_BACKOFF_S[min(self._failures_in_a_row, len(RESTART_BACKOFF_S) - 1)]
+        self._failures_in_a_row += 1
+        log.warning("worker died (%s); restarting in %.1f s", reason, delay)
+        self._stop.wait(delay)
+        if not self._stop.is_set():
+            self.restarts += 1
+            self._spawn()
+
+
+    def _remember_state(self, info: dict) -> None:
+        """A restarted worker comes back with the model and preset the last one had switched to."""
+        start = self._start_config
+        model = info.get("model") or start.model
+        self.config = dataclasses.replace(start, model=model, preset=info.get("preset"),
+                                          lora_paths=start.lora_paths if model == start.model else ())
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "unknown exit"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

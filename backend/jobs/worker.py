@@ -1,0 +1,214 @@
+"""The worker process: the only holder of the PipelineManager (and so of the device).
+
+It is started with multiprocessing's ``spawn`` (a fresh interpreter: no CUDA state or
+locks inherited from the server) and talks to the supervisor over one Pipe:
+
+    supervisor -> worker   {"op": "job", "job": {...}} | {"op": "unload_adapter", "name"} | {"op": "stop"}
+    worker -> supervisor   ("ready", info) | ("progress", id, step, total)
+                           | ("done", id, result, info) | ("failed", id, error, info)
+                           | ("cancelled", id, info) | ("fatal", message)
+
+A result file is written (atomically, fsynced) by ``backend.outputs`` before "done"
+is sent, so the row is only marked succeeded once its file is durable. Cancel is a
+shared Event the manager checks after every denoising step.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str
+    data_dir: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    lora_backend: str = "peft"
+    lora_paths: tuple = ()
+    lora_scale: float = 1.0
+    preset: str | None = None
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    adapter_dirs: tuple = ()
+    threads: int | None = None  # torch CPU threads (None: torch's default)
+    env: dict = field(default_factory=dict)
+
+
+class _Worker:
+    def __init__(self, conn, cancel, config: WorkerConfig):
+        from backend.manager import PipelineManager
+
+        self.conn, self.cancel, self.config = conn, cancel, config
+        self.manager = PipelineManager(device=config.device, dtype=config.dtype, data_dir=config.data_dir)
+        self.engine = None
+        self.preset: str | None = None
+        self.step_times: list[float] = []
+
+    # -- model state -----------------------------------------------------------------------------
+    def load(self, model_id: str) -> None:
+        """Load a model; the server's start model also gets its fused files / preset."""
+        self.manager.load(model_id)
+        self.engine = None
+        self.preset = None
+        if model_id == self.config.model:
+            if self.config.lora_backend == "distill" and self.config.lora_paths:
+                self._distill().fuse(list(self.config.lora_paths), self.config.lora_scale)
+            if self.config.preset:
+                self._distill().apply_preset(self.config.preset, list(self.config.adapter_dirs))
+                self.preset = self.config.preset
+        self._attach_peft()
+
+    def _distill(self):
+        if not hasattr(self.manager, "fuse"):
+            from backend.errors import StudioError
+
+            raise StudioError("the distill backend is not part of this build", param="lora_backend")
+        return self.manager
+
+    def set_preset(self, preset_id: str | None) -> dict:
+        """Fuse a preset (or go back to base); PEFT adapters then merge on top of the new base."""
+        if self.engine is not None:
+            self.engine.deactivate()  # merged adapters come off before the base changes
+        manager = self._distill()
+        manager.restore_base()
+        defaults = manager.apply_preset(preset_id, list(self.config.adapter_dirs)) if preset_id else {}
+        self.preset = preset_id
+        self._attach_peft()  # its pristine copies must be of the new base
+        return {"preset": preset_id, "defaults": defaults, "fused": manager.fused_state()}
+
+    def _attach_peft(self) -> None:
+        if self.config.lora_backend != "peft":
+            return
+        preload = self.config.lora_paths if self.manager.model_id == self.config.model else ()
+        try:
+            from backend.lora import attach
+        except ImportError:  # the PEFT backend is not installed in this build: base model only
+            return
+        self.engine = attach(self.manager, max_loras=self.config.max_loras,
+                             max_cpu_loras=self.config.max_cpu_loras, preload=list(preload))
+
+    def info(self) -> dict:
+        import torch
+
+        m = self.manager
+        out = {"pid": os.getpid(), "model": m.model_id, "preset": self.preset,
+               "fused": {**(m.fused_state() if hasattr(m, "fused_state") else {"state": "base"}),
+                         "preset": self.preset}, "device": str(m.device),
+               "dtype": str(m.dtype).replace("torch.", ""), "lora_backend": self.config.lora_backend,
+               "pipeline": m.spec.class_name if m.spec else None,
+               "seconds_per_step": (sum(self.step_times) / len(self.step_times)) if self.step_times else None}
+        if m.spec is not None:
+            out["spec"] = {"pipeline": m.spec.class_name, "output": m.spec.output, "mode": m.spec.mode,
+                           "fields": sorted(m.spec.fields), "denoisers": list(m.denoisers()),
+                           "defaults": {**m.spec.defaults, **m.defaults}}
+        if self.engine is not None:
+            out["lora_cache"] = self.engine.stats()
+        if m.device.type == "cuda":
+            out["memory"] = {"allocated": torch.cuda.memory_allocated(m.device),
+                             "reserved": torch.cuda.memory_reserved(m.device),
+                             "max_allocated": torch.cuda.max_memory_allocated(m.device)}
+        else:
+            try:
+                import psutil
+
+                out["memory"] = {"rss": psutil.Process().memory_info().rss}
+            except ImportError:
+                pass
+        return out
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def run_job(self, job: dict) -> None:
+        from backend.errors import Cancelled, StudioError
+
+        job_id = job["id"]
+        try:
+            result = self._execute(job)
+        except Cancelled:
+            self.conn.send(("cancelled", job_id, self.info()))
+        except StudioError as exc:
+            detail = {"message": exc.message, "status": exc.http_status, "type": exc.kind, "param": exc.param}
+            self.conn.send(("failed", job_id, detail, self.info()))
+        except Exception as exc:  # a bug or a library error: the job fails, the worker lives on
+            traceback.print_exc(file=sys.stderr)
+            text = str(exc).strip().splitlines()
+            message = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+            detail = {"message": message, "status": 500, "type": "server_error", "param": None}
+            self.conn.send(("failed", job_id, detail, self.info()))
+        else:
+            self.conn.send(("done", job_id, result, self.info()))
+
+    def _execute(self, job: dict) -> dict | None:
+        kind = job["kind"]
+        if job.get("model") and job["model"] != self.manager.model_id:
+            self.load(job["model"])
+        if kind == "load_model":
+            return {"model": self.manager.model_id}
+        if kind == "apply_preset":
+            return self.set_preset(job["params"]["preset"])
+        if kind == "restore_base":
+            return self.set_preset(None)
+        if kind != "generate":
+            from backend.errors import StudioError
+
+            raise StudioError(f"job kind {kind!r} is not supported by this worker", param="kind")
+        return self._generate(job)
+
+    def _generate(self, job: dict) -> dict:
+        from backend.lora.request import LoRARequest
+        from backend.outputs import save_result
+
+        adapters = [(LoRARequest(a["name"], int(a["int_id"]), a["path"]), a.get("scale", 1.0))
+                    for a in job.get("adapters") or []]
+        last = [time.perf_counter()]
+
+        def on_step(step: int, total: int) -> None:
+            now = time.perf_counter()
+            self.step_times = (self.step_times + [now - last[0]])[-200:]
+            last[0] = now
+            self.conn.send(("progress", job["id"], step, total))
+
+        result = self.manager.generate(dict(job["params"]), adapters=adapters, on_step=on_step, cancel=self.cancel)
+        result.metadata["job_id"] = job["id"]
+        path = save_result(result, data_dir=self.config.data_dir)
+        return {"path": str(path), "metadata": result.metadata}
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):  # the supervisor is gone: nothing left to do
+                return
+            op = msg.get("op")
+            if op == "stop":
+                return
+            if op == "job":
+                self.run_job(msg["job"])
+            elif op == "unload_adapter" and self.engine is not None:
+                try:
+                    self.engine.unload(msg["name"])
+                except Exception:  # not loaded here: nothing to free
+                    pass
+
+
+def main(conn, cancel, config: WorkerConfig) -> None:
+    """Process entry point (must be importable for ``spawn``)."""
+    os.environ.update(config.env)
+    try:
+        import torch
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        worker = _Worker(conn, cancel, config)
+        worker.load(config.model)
+    except Exception as exc:
+        message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+        try:
+            conn.send(("fatal", message))
+        finally:
+            sys.exit(3)
+    conn.send(("ready", worker.info()))
+    worker.serve()

@@ -1,0 +1,351 @@
+"""The Studio facade: what the UI (ui/) and the HTTP API (backend/api/) talk to.
+
+It holds the persistent job queue, the supervised worker process and the adapter
+rules; it never imports Gradio, and importing it does not import torch (the worker
+process is where the pipeline lives). Every method returns plain JSON-able dicts.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from . import settings
+from .errors import AdapterNotFound, InvalidParameter, PathNotAllowed, StudioError
+from .jobs.adapters import AdapterResolver
+from .jobs.queue import FINISHED, JobQueue
+from .jobs.supervisor import Supervisor
+from .jobs.worker import WorkerConfig
+
+DEFAULT_MODEL = "demo:qwen-image"
+LORA_BACKENDS = ("peft", "distill")
+
+
+class Studio:
+    def __init__(self, model: str = DEFAULT_MODEL, *, data_dir=None, adapter_dirs=(), lora_backend: str = "peft",
+                 lora_paths=None, lora_scale: float = 1.0, preset: str | None = None, max_loras: int = 4,
+                 max_cpu_loras: int = 16, max_queue: int = 256, max_overtake: int = 4, device: str | None = None,
+                 dtype: str | None = None, worker_threads: int | None = None, db_path=None):
+        if lora_backend not in LORA_BACKENDS:
+            raise InvalidParameter(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {lora_backend!r}",
+                                   param="lora_backend")
+        self.data_dir = settings.data_dir(data_dir)
+        self.model = model
+        self.lora_backend = lora_backend
+        self.preset = preset
+        self.resolver = AdapterResolver(adapter_dirs, self.data_dir)
+        lora_paths = [lora_paths] if isinstance(lora_paths, (str, os.PathLike)) else list(lora_paths or [])
+        self.queue = JobQueue(db_path or settings.jobs_db(self.data_dir), max_queue=max_queue, max_overtake=max_overtake)
+        self.recovered = self.queue.recover()
+        self.config = WorkerConfig(
+            model=model, data_dir=str(self.data_dir), device=device, dtype=dtype, lora_backend=lora_backend,
+            lora_paths=tuple(str(p) for p in lora_paths), lora_scale=float(lora_scale), preset=preset,
+            max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
+            adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]),
+            env={settings.ENV_VAR: str(self.data_dir)})
+        self.supervisor = Supervisor(self.queue, self.config)
+        self.started_at = time.time()
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, *, timeout: float = 600.0) -> "Studio":
+        """Start the worker and wait until it has loaded the model (raises if it cannot)."""
+        self.supervisor.start(wait_ready=True, timeout=timeout)
+        return self
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.supervisor.stop()
+            self.queue.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def submit(self, kind: str, params: dict, adapters: list[dict] | None = None, preset: str | None = None,
+               model: str | None = None) -> dict:
+        """Queue a job; the returned dict is already a committed row. Raises StudioError subclasses."""
+        if not isinstance(params, dict):
+            raise InvalidParameter("params must be an object of generation fields", param="params")
+        if adapters and self.lora_backend == "distill":
+            raise InvalidParameter(
+                "this server runs --lora-backend distill: its LoRA is fused into the base at start, so "
+                "per-request 'lora' is refused; start a peft server for per-request adapters", param="lora")
+        if preset is not None and preset != self.current_preset():
+            raise InvalidParameter(f"preset {preset!r} is not the one applied now "
+                                   f"({self.current_preset() or 'none'}); apply it first", param="preset")
+        resolved = [a.as_dict() for a in self.resolver.resolve(adapters)]
+        params = self._check_params(params, model)
+        job = self.queue.submit(kind, model=model or self.current_model(), params=params, adapters=resolved,
+                                preset=self.current_preset())
+        self.supervisor.wake()
+        return job
+
+    def _check_params(self, params: dict, model: str | None) -> dict:
+        """Reject what the loaded model's spec refuses now (an HTTP 400), before the job is queued."""
+        params = {k: v for k, v in params.items() if v is not None}
+        spec = (self.supervisor.info or {}).get("spec")
+        if spec and (model is None or model == self.current_model()):
+            unknown = sorted(k for k in params if k not in spec["fields"])
+            if unknown:
+                raise InvalidParameter(
+                    f"unknown field {unknown[0]!r} for {spec['pipeline']}; accepted fields: "
+                    f"{', '.join(spec['fields'])}", param=unknown[0])
+        if "image" in params and not isinstance(params["image"], str):
+            raise InvalidParameter("'image' must be a path to an image file", param="image")
+        return params
+
+    def job(self, job_id: str) -> dict:
+        return self.queue.get(job_id)
+
+    def jobs(self, limit: int = 100, status: str | None = None) -> list[dict]:
+        return self.queue.list(limit=limit, status=status)
+
+    def cancel(self, job_id: str) -> dict:
+        job, running = self.queue.cancel(job_id)
+        if running:
+            self.supervisor.cancel_running(job_id)
+        return job
+
+    def wait(self, job_id: str, timeout: float | None = None) -> dict:
+        return self.queue.wait(job_id, timeout)
+
+    def run(self, kind: str, params: dict, adapters=None, preset=None, model=None,
+            timeout: float | None = None) -> dict:
+        """submit + wait: the finished job dict (or the unfinished one after ``timeout``)."""
+        return self.wait(self.submit(kind, params, adapters, preset, model)["id"], timeout)
+
+    # -- models ----------------------------------------------------------------------------------
+    def current_model(self) -> str:
+        return (self.supervisor.info or {}).get("model") or self.model
+
+    def current_preset(self) -> str | None:
+        info = self.supervisor.info or {}
+        return info.get("preset") if "preset" in info else self.preset
+
+    def models(self) -> list[dict]:
+        from .demo import DEMO_MODELS
+
+        info = self.supervisor.info or {}
+        loaded = self.current_model()
+        ids = [loaded] + [m for m in DEMO_MODELS if m != loaded]
+        out = []
+        for model_id in ids:
+            entry = {"id": model_id, "loaded": model_id == loaded}
+            spec = info.get("spec") if model_id == loaded else _static_spec(model_id, self.data_dir)
+            if spec:
+                entry.update(spec)
+            out.append(entry)
+        return out
+
+    def switch_model(self, model_id: str) -> dict:
+        if not isinstance(model_id, str) or not model_id.strip():
+            raise InvalidParameter("model must be a non-empty string", param="model")
+        job = self.queue.submit("load_model", model=model_id, params={}, preset=None)
+        self.supervisor.wake()
+        return job
+
+    # -- adapters --------------------------------------------------------------------------------
+    def adapters(self) -> list[dict]:
+        """The library, each with its fit for the loaded model; adapters loaded by API name are marked."""
+        rows = _library_rows(self.current_model(), self.resolver.roots[1:], self.data_dir)
+        registered = self.resolver.registered()
+        by_path = {v: k for k, v in registered.items()}
+        cache = (self.supervisor.info or {}).get("lora_cache") or {}
+        pinned = set(cache.get("pinned") or [])
+        for row in rows:
+            row["fit"] = {"ok": bool(row.get("fits")), "summary": row.get("fit", "")}
+            row["registered_as"] = by_path.get(str(Path(row["path"]).resolve()))
+            row["pinned"] = row["name"] in pinned
+        return rows
+
+    def adapter_detail(self, name: str) -> dict:
+        for row in self.adapters():
+            if row["name"] == name:
+                return row
+        raise AdapterNotFound(f"no adapter named {name!r} in the library", param="name")
+
+    def import_adapter(self, src_path: str, name: str | None = None) -> dict:
+        """Copy a file or PEFT folder into <data-dir>/adapters (the library root we own)."""
+        src = Path(src_path).expanduser()
+        if not src.exists():
+            raise AdapterNotFound(f"{src} does not exist", param="path")
+        name = name or (src.name if src.is_dir() else src.stem)
+        if "/" in name or name.startswith("."):
+            raise InvalidParameter(f"adapter name {name!r} may not contain '/' or start with '.'", param="name")
+        root = self.resolver.roots[0]
+        dest = root / name if src.is_dir() else root / f"{name}{src.suffix}"
+        if dest.exists():
+            raise InvalidParameter(f"an adapter named {name!r} already exists at {dest}", param="name")
+        try:
+            from .lora.formats import inspect
+
+            inspect(src, name)
+        except ImportError:
+            pass
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dest)
+        return self.adapter_detail(name)
+
+    def delete_adapter(self, name: str) -> dict:
+        row = self.adapter_detail(name)
+        path = Path(row["path"]).resolve()
+        if not path.is_relative_to(self.resolver.roots[0]):
+            raise PathNotAllowed(f"{path} is not in {self.resolver.roots[0]}; only adapters imported into the "
+                                 "library can be deleted here", param="name")
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        self.supervisor.control({"op": "unload_adapter", "name": name})
+        return {"name": name, "deleted": str(path)}
+
+    def load_adapter(self, name: str, path: str) -> dict:
+        """vLLM's /v1/load_lora_adapter: register ``name`` for ``path`` (path rules apply)."""
+        return self.resolver.register(name, path).as_dict()
+
+    def unload_adapter(self, name: str) -> dict:
+        self.resolver.unregister(name)
+        self.supervisor.control({"op": "unload_adapter", "name": name})
+        return {"name": name, "unloaded": True}
+
+    def loaded_adapters(self) -> list[dict]:
+        cache = (self.supervisor.info or {}).get("lora_cache") or {}
+        tiers = cache.get("tiers") or {}
+        resident = set((tiers.get("cpu") or {}).get("adapters") or [])
+        return [{"name": n, "path": p, "int_id": self.resolver.int_id(Path(p)), "resident": n in resident}
+                for n, p in sorted(self.resolver.registered().items())]
+
+    # -- observability ---------------------------------------------------------------------------
+    def system(self) -> dict:
+        info = dict(self.supervisor.info or {})
+        counts = self.queue.counts()
+        sup = self.supervisor
+        return {
+            "model": info.get("model") or self.model, "pipeline": info.get("pipeline"),
+            "device": info.get("device"), "dtype": info.get("dtype"), "lora_backend": self.lora_backend,
+            "preset": self.preset, "fused": info.get("fused"), "memory": info.get("memory") or {},
+            "cache": _cache_summary(info.get("lora_cache")), "lora_cache": info.get("lora_cache"),
+            "queue_depth": counts["queued"], "jobs": counts, "max_queue": self.queue.max_queue,
+            "scheduler": self.queue.scheduler_stats(), "seconds_per_step": info.get("seconds_per_step"),
+            "worker": {"pid": sup.pid, "ready": sup.ready, "restarts": sup.restarts, "deaths": sup.deaths[-10:],
+                       "running": sup.current["id"] if sup.current else None},
+            "recovered_at_start": self.recovered, "uptime_s": round(time.time() - self.started_at, 1),
+            "versions": _versions(), "data_dir": str(self.data_dir),
+            "adapter_roots": [str(r) for r in self.resolver.roots],
+        }
+
+    def outputs(self, limit: int = 50) -> list[dict]:
+        """Finished results, newest first (path + metadata), from the job rows."""
+        out = []
+        for job in self.queue.list(limit=max(limit * 4, limit), status="succeeded"):
+            result = job.get("result") or {}
+            if result.get("path") and Path(result["path"]).exists():
+                out.append({"path": result["path"], "metadata": result.get("metadata") or {}, "job": job["id"]})
+            if len(out) >= limit:
+                break
+        return out
+
+    # -- presets (distill) -----------------------------------------------------------------------
+    def presets(self) -> list[dict]:
+        try:
+            from . import presets as preset_mod
+        except ImportError:  # a build without the distill backend: no presets
+            return []
+        return preset_mod.list_presets(data_dir=self.data_dir, adapter_dirs=self.resolver.roots[1:])
+
+    def apply_preset(self, preset_id: str, timeout: float | None = 600.0) -> dict:
+        """Fuse a preset into the loaded model (a queued job, so it never lands mid-generation)."""
+        if not isinstance(preset_id, str) or not preset_id.strip():
+            raise InvalidParameter("preset must be a preset id (see presets())", param="preset")
+        return self._state_job("apply_preset", {"preset": preset_id}, timeout)
+
+    def restore_base(self, timeout: float | None = 600.0) -> dict:
+        """Back to the exact base weights (no reload)."""
+        return self._state_job("restore_base", {}, timeout)
+
+    def _state_job(self, kind: str, params: dict, timeout) -> dict:
+        job = self.queue.submit(kind, model=self.current_model(), params=params, preset=None)
+        self.supervisor.wake()
+        job = self.wait(job["id"], timeout)
+        if job["status"] in ("failed", "cancelled"):
+            raise job_error(job)
+        return job["result"] or {}
+
+
+def job_error(job: dict) -> StudioError:
+    """The StudioError a failed or cancelled job stands for (same status, type and param)."""
+    from .errors import Cancelled
+
+    if job["status"] == "cancelled":
+        return Cancelled(f"job {job['id']} was cancelled", param="job_id")
+    detail = job.get("error_detail") or {}
+    exc = StudioError(job.get("error") or "the job failed", param=detail.get("param"))
+    exc.http_status = int(detail.get("status") or 500)
+    exc.kind = detail.get("type") or "server_error"
+    return exc
+
+
+def _library_rows(model, adapter_dirs, data_dir) -> list[dict]:
+    try:
+        from .lora import list_adapters
+    except ImportError:  # the PEFT backend is not part of this build: no library
+        return []
+    return list_adapters(model, adapter_dirs, data_dir)
+
+
+_SPECS: dict[str, dict] = {}
+_SPECS_LOCK = threading.Lock()
+
+
+def _static_spec(model_id: str, data_dir) -> dict | None:
+    """A model's spec from its directory's model_index.json (no weights loaded)."""
+    from . import demo
+
+    if demo.is_demo(model_id) and not (settings.models_dir(data_dir) / model_id.replace(":", "-")
+                                       / ".demo-build").exists():
+        return None  # not built yet: the worker builds it when someone switches to it
+    with _SPECS_LOCK:
+        if model_id not in _SPECS:
+            from .models import resolve_model, spec_for
+
+            try:
+                resolved = resolve_model(model_id, data_dir)
+                spec = spec_for(resolved.class_name)
+            except StudioError:
+                return None
+            _SPECS[model_id] = {"pipeline": spec.class_name, "output": spec.output, "mode": spec.mode,
+                                "fields": sorted(spec.fields), "denoisers": list(spec.denoisers),
+                                "defaults": {**spec.defaults, **resolved.defaults}}
+        return _SPECS[model_id]
+
+
+def _cache_summary(stats: dict | None) -> dict:
+    if not stats:
+        return {}
+    tiers = stats.get("tiers") or {}
+    out = {}
+    for tier, t in tiers.items():
+        for k in ("hits", "misses", "evictions"):
+            if k in t:
+                out[f"{tier}_{k}"] = t[k]
+    out.update({k: v for k, v in (stats.get("counters") or {}).items()})
+    return out
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "diffusers", "peft", "transformers", "gradio", "fastapi"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+__all__ = ["Studio", "FINISHED", "DEFAULT_MODEL", "job_error"]
