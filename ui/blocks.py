@@ -23,6 +23,7 @@ CSS = """
 .ls-card h3 { margin: 0 0 4px 0; }
 .ls-missing { color: var(--error-text-color, #b91c1c); }
 .ls-present { color: var(--color-green-600, #16a34a); }
+#result-image img, #cmp-grid img { image-rendering: pixelated; min-width: 256px; object-fit: contain; }
 .ls-badge { background: var(--color-accent); color: white; border-radius: 4px; padding: 0 6px; font-size: .8em; }
 """
 
