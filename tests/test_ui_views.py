@@ -104,3 +104,5 @@ def test_share_needs_auth():
     # a public link without a login is refused before anything starts
     with pytest.raises(InvalidParameter, match="needs --auth"):
         ui.launch(ui.build_ui(studio=None), share=True, prevent_thread_lock=True)
+    with pytest.raises(InvalidParameter, match="needs --auth"):
+        ui.share_link("127.0.0.1", 7860, auth=None)

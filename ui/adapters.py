@@ -98,16 +98,18 @@ def build(studio):
         btn.click(act(verb), selected, outs, api_visibility="private")
 
     def imp(paths, given):
+        """Import, then clear the upload box (success or not) so the next upload starts fresh."""
         if not paths:
-            return listing(error_html("choose a file to import"))
+            return [*listing(error_html("choose a file to import")), None]
         paths = [paths] if isinstance(paths, str) else list(paths)
         label = (given or "").strip() or default_name(paths)
         try:
             record = studio.import_adapter(str(staged_upload(paths, label)), label)
         except Exception as exc:
-            return listing(error_html(f"could not import {', '.join(Path(p).name for p in paths)}: {readable(exc)}"))
+            files = ", ".join(Path(p).name for p in paths)
+            return [*listing(error_html(f"could not import {files} as {label!r}: {readable(exc)}")), None]
         shown = record.get("name", label) if isinstance(record, dict) else label
-        return listing(ok_html(f"imported {shown}"))
+        return [*listing(ok_html(f"imported {shown}")), None]
 
-    do_import.click(imp, [upload, name], outs, api_visibility="private")
+    do_import.click(imp, [upload, name], [*outs, upload], api_visibility="private", show_progress="minimal")
     return listing, outs

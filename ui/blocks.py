@@ -120,3 +120,19 @@ def launch(blocks: gr.Blocks, **kwargs):
 
         raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS", param="share")
     return blocks.launch(**opts)
+
+
+def share_link(host: str, port: int, *, auth) -> str:
+    """A public gradio.live link to a server already listening on host:port (--share).
+    Refuses without a login: the link is public for a week."""
+    if not auth:
+        from backend.errors import InvalidParameter
+
+        raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS", param="share")
+    import secrets
+
+    from gradio import networking
+
+    url = networking.setup_tunnel(local_host=host, local_port=port, share_token=secrets.token_urlsafe(32),
+                                  share_server_address=None, share_server_tls_certificate=None)
+    return url.replace("http://", "https://", 1)

@@ -57,7 +57,7 @@ def stack_from_payload(adapters: list[dict]) -> list[dict]:
 
 @dataclass
 class StackRow:
-    row: gr.Row
+    row: gr.Group
     name: gr.Textbox
     scale: gr.Slider
     split: gr.Checkbox
@@ -206,18 +206,22 @@ def build(studio) -> GenerateTab:
                 t.unfit = gr.HTML(elem_id="adapter-unfit")
                 t.stack = gr.State([])
                 for i in range(MAX_LORAS):
-                    with gr.Row(visible=False, elem_classes=["ls-stack-row"], elem_id=f"stack-row-{i}") as row:
-                        name = gr.Textbox(show_label=False, interactive=False, scale=2, container=False)
-                        scale = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="weight", scale=3,
-                                          elem_id=f"stack-scale-{i}")
-                        split = gr.Checkbox(label="per transformer", value=False, visible=False, scale=1)
-                        high = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="transformer (high noise)",
-                                         visible=False, scale=2)
-                        low = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="transformer_2 (low noise)",
-                                        visible=False, scale=2)
-                        up = gr.Button("↑", min_width=30, scale=0)
-                        down = gr.Button("↓", min_width=30, scale=0)
-                        remove = gr.Button("✕", min_width=30, scale=0, elem_id=f"stack-remove-{i}")
+                    with gr.Group(visible=False, elem_classes=["ls-stack-row"], elem_id=f"stack-row-{i}") as row:
+                        with gr.Row(equal_height=True):
+                            name = gr.Textbox(show_label=False, interactive=False, container=False, scale=4,
+                                              min_width=120, elem_id=f"stack-name-{i}")
+                            up = gr.Button("↑", min_width=36, scale=0, size="sm")
+                            down = gr.Button("↓", min_width=36, scale=0, size="sm")
+                            remove = gr.Button("✕", min_width=36, scale=0, size="sm", elem_id=f"stack-remove-{i}")
+                        with gr.Row():
+                            scale = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="weight", scale=3,
+                                              elem_id=f"stack-scale-{i}")
+                            split = gr.Checkbox(label="per transformer", value=False, visible=False, scale=1,
+                                                min_width=100)
+                            high = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="transformer (high noise)",
+                                             visible=False, scale=2)
+                            low = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="transformer_2 (low noise)",
+                                            visible=False, scale=2)
                     t.rows.append(StackRow(row, name, scale, split, high, low, up, down, remove))
 
             with gr.Accordion("Preset (distill: fused into the base weights)", open=False, elem_id="gen-preset"):
