@@ -84,6 +84,7 @@ def test_import_add_generate_with_progress(page, app, lora_files):  # noqa: F811
     page.locator("#adapter-add").click()
     expect(page.locator("#stack-name-0 textarea, #stack-name-0 input").first).to_have_value("ui-style")
     page.locator("#prompt textarea").fill("a lighthouse at dusk")
+    page.locator("#field-num_inference_steps input").fill("24")  # enough steps to watch the bar move
     page.locator("#generate-btn").click()
 
     seen, deadline = [], time.monotonic() + TIMEOUT_MS / 1000

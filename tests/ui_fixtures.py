@@ -1,14 +1,17 @@
 """Fixtures shared by the UI tests: the launched app and adapter files for the demo models.
 
-The app is the real ``backend.service.Studio`` with the UI built over it, served on a
-free port. Set LORA_STUDIO_UI_URL to point the tests at an app that is already running
-instead (its data directory must be $LORA_STUDIO_HOME, where adapters are dropped).
+The app is the product itself: ``python app.py serve`` (the Studio, its worker, the HTTP
+API and this UI on one port), on a free port. Set LORA_STUDIO_UI_URL to point the tests
+at an app that is already running instead (with its data directory in $LORA_STUDIO_HOME).
 """
 from __future__ import annotations
 
 import os
 import shutil
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
 MODEL = "demo:qwen-image"
 
 
@@ -52,38 +56,69 @@ def broken_adapter(out: Path) -> Path:
 
 
 class App:
-    def __init__(self, url: str, studio=None, data_dir: Path | None = None):
-        self.url, self.studio, self.data_dir = url.rstrip("/") + "/", studio, data_dir
+    """The launched app: its URL and its data directory (library root: <data-dir>/adapters)."""
+
+    def __init__(self, url: str, data_dir: Path):
+        self.url, self.data_dir = url.rstrip("/") + "/", Path(data_dir)
 
     def add_adapter(self, path: Path, name: str) -> None:
-        if self.studio is not None:
-            self.studio.import_adapter(str(path), name)
-        else:  # an external app: drop the file into its library root
-            shutil.copy(path, Path(os.environ["LORA_STUDIO_HOME"]) / "adapters" / f"{name}.safetensors")
+        target = self.data_dir / "adapters" / f"{name}{path.suffix}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+
+    def get(self, route: str):
+        import httpx
+
+        return httpx.get(self.url + route.lstrip("/"), timeout=30).json()
+
+
+def _wait_until_up(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"app.py serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "health", timeout=5).status_code == 200 and \
+                    httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"app.py serve did not come up in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
-def app(data_dir, demo_path):
-    demo_path(MODEL)
+def app(data_dir, demo_path, tmp_path_factory):
+    """``python app.py serve`` (UI + HTTP API, one port) in its own data directory, which
+    shares the session's demo models so they are built once."""
     url = os.environ.get("LORA_STUDIO_UI_URL")
     if url:
-        yield App(url, data_dir=data_dir)
+        yield App(url, Path(os.environ["LORA_STUDIO_HOME"]))
         return
-    import ui
-
-    Studio = pytest.importorskip("backend.service", reason="the Studio facade is not on this branch yet").Studio
-
-    studio = Studio(model=MODEL, data_dir=data_dir, device="cpu")
-    blocks = ui.build_ui(studio)
-    _, local_url, _ = ui.launch(blocks, prevent_thread_lock=True, server_name="127.0.0.1",
-                                server_port=free_port(), quiet=True)
+    pytest.importorskip("backend.service", reason="the Studio facade and its server are not on this branch yet")
+    demo_path(MODEL)
+    home = tmp_path_factory.mktemp("ui-app")
+    (home / "models").symlink_to(data_dir / "models", target_is_directory=True)
+    port = free_port()
+    log = home / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "app.py", "serve", MODEL, "--host", "127.0.0.1", "--port", str(port),
+                                 "--data-dir", str(home), "--device", "cpu"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "LORA_STUDIO_HOME": str(home)})
     try:
-        yield App(local_url, studio=studio, data_dir=data_dir)
+        url = f"http://127.0.0.1:{port}/"
+        _wait_until_up(proc, url, log)
+        yield App(url, home)
     finally:
-        blocks.close()
-        close = getattr(studio, "close", None)
-        if close is not None:
-            close()
+        proc.terminate()  # SIGTERM: the server shuts its worker down cleanly
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")

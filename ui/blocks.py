@@ -45,6 +45,7 @@ def parse_auth(auth) -> tuple[str, str] | None:
 def build_ui(studio, *, auth=None) -> gr.Blocks:
     with gr.Blocks(title="LoRA Studio") as blocks:
         gr.Markdown("# LoRA Studio")
+        api.build(studio)  # first, so the named endpoints keep their names (private events are named too)
         with gr.Tabs() as tabs:
             with gr.Tab("Generate", id="generate", elem_id="tab-generate"):
                 gen = generate.build(studio)
@@ -60,7 +61,6 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
                 list_outputs, gallery_outs = gallery.build(studio, gen, tabs)
             with gr.Tab("System", id="system", elem_id="tab-system") as t_system:
                 show_system, system_outs = system.build(studio)
-        api.build(studio)
 
         # each tab refreshes when shown; the queue table ticks only while its tab is open
         def tab_refresh(fn, tab, outs):

@@ -25,9 +25,8 @@ def models_by_id(studio) -> dict[str, ModelInfo]:
     return {m["id"]: ModelInfo.from_dict(m) for m in studio.models()}
 
 
-def current_model(studio) -> ModelInfo | None:
-    models = models_by_id(studio)
-    return next((m for m in models.values() if m.loaded), next(iter(models.values()), None))
+def model_choices(studio) -> list[tuple[str, str]]:
+    return [(f"{m.id}  (loaded)" if m.loaded else m.id, m.id) for m in models_by_id(studio).values()]
 
 
 def adapter_payload(stack: list[dict], two_stage: bool) -> list[dict]:
@@ -297,7 +296,8 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
         dropped = [e["name"] for e in stack if e["name"] not in fits]
         note = ok_html(f"{model_id} loaded" + (f"; removed adapters that do not fit it: {', '.join(dropped)}"
                                               if dropped else ""))
-        yield [gr.update(), views.mode_markdown(m), note] + field_updates(m) + \
+        yield [gr.update(choices=model_choices(studio), value=model_id), views.mode_markdown(m), note] + \
+            field_updates(m) + \
             [gr.update(choices=choices, value=choices[0][1] if choices else None), unfit] + \
             [kept, *render_stack(kept, m.two_stage)]
 
@@ -417,7 +417,7 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                    [t.status, t.job_id, t.image, t.video, t.metadata],
                    api_visibility="private", concurrency_limit=None, show_progress_on=[t.image, t.video])
 
-    def cancel(job_id):
+    def cancel_current(job_id):
         if job_id:
             try:
                 studio.cancel(job_id)
@@ -425,7 +425,7 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                 return error_html(readable(exc))
         return ok_html(f"cancelled job {job_id}" if job_id else "nothing to cancel")
 
-    stop.click(cancel, t.job_id, t.status, cancels=[gen], api_visibility="private", queue=False)
+    stop.click(cancel_current, t.job_id, t.status, cancels=[gen], api_visibility="private", queue=False)
     # the app's page-load handler and the Gallery's "use these settings" reuse these
     t.load_models, t.model_outputs = load_models, model_outputs
     t.switch, t.switch_outputs = switch, switch_outputs
