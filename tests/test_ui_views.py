@@ -106,3 +106,28 @@ def test_share_needs_auth():
         ui.launch(ui.build_ui(studio=None), share=True, prevent_thread_lock=True)
     with pytest.raises(InvalidParameter, match="needs --auth"):
         ui.share_link("127.0.0.1", 7860, auth=None)
+
+
+def test_preset_cards_say_which_files_are_missing_and_how_to_get_them():
+    from ui.views import preset_cards_html
+
+    preset = {"id": "wan2.2-t2v-a14b-lightx2v-4step", "title": "Wan2.2 T2V 4-step", "pipeline": "WanPipeline",
+              "models": ["Wan-AI/Wan2.2-T2V-A14B-Diffusers", "demo:wan2.2-t2v"], "ready": False,
+              "defaults": {"num_inference_steps": 4}, "requirements": {"num_inference_steps": 4},
+              "files": [{"component": "transformer", "repo": "lightx2v/Wan2.2-Lightning", "pattern": "*high*.safetensors",
+                         "present": False, "path": None, "demo": "high.safetensors"},
+                        {"component": "transformer_2", "repo": "lightx2v/Wan2.2-Lightning", "pattern": "*low*",
+                         "present": True, "path": "/models/low.safetensors", "where": "adapter-dir"}]}
+    card = preset_cards_html([preset], fused={"preset": "wan2.2-t2v-a14b-lightx2v-4step"})
+    assert "huggingface-cli download lightx2v/Wan2.2-Lightning --include '*high*.safetensors'" in card
+    assert "/models/low.safetensors" in card and "fused now" in card and "files missing" in card
+
+
+def test_where_an_adapter_lives_comes_from_the_cache_tiers():
+    from ui.views import adapter_rows, tiers_of
+
+    system = {"lora_cache": {"tiers": {"cpu": {"adapters": ["a", "b"]}, "device": {"adapters": ["a"]}}}}
+    where = tiers_of(system)
+    assert where == {"a": "device", "b": "cpu"}
+    rows = adapter_rows([{"name": n} for n in ("a", "b", "c")], where)
+    assert [r[8] for r in rows] == ["device", "cpu", "disk"]

@@ -55,11 +55,11 @@ def build(studio):
 
     def listing(message: str = ""):
         try:
-            adapters = studio.adapters()
+            adapters, where = studio.adapters(), views.tiers_of(studio.system())
         except Exception as exc:
             return [gr.update(), gr.update(), error_html(readable(exc))]
         names = [a["name"] for a in adapters]
-        return [views.adapter_rows(adapters), gr.update(choices=names), message]
+        return [views.adapter_rows(adapters, where), gr.update(choices=names), message]
 
     outs = [table, selected, status]
     refresh.click(listing, None, outs, api_visibility="private")

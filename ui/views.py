@@ -172,16 +172,27 @@ def fit_of(adapter: dict) -> tuple[bool, str]:
     return False, "fit unknown"
 
 
-def adapter_rows(adapters: list[dict]) -> list[list]:
+def tiers_of(system: dict | None) -> dict[str, str]:
+    """adapter name -> the cache tier holding it now ("device" beats "cpu"), from system()."""
+    tiers = ((system or {}).get("lora_cache") or {}).get("tiers") or {}
+    where = {}
+    for tier in ("cpu", "device"):
+        for name in (tiers.get(tier) or {}).get("adapters") or []:
+            where[name] = tier
+    return where
+
+
+def adapter_rows(adapters: list[dict], where: dict[str, str] | None = None) -> list[list]:
     rows = []
     for a in adapters:
-        targets = a.get("targets") or a.get("target_modules") or []
+        targets = a.get("targets") or a.get("target_modules") or ""
         if isinstance(targets, (list, tuple)):
             targets = ", ".join(map(str, targets[:6])) + (" …" if len(targets) > 6 else "")
         ok, reason = fit_of(a)
+        size = a.get("size") if isinstance(a.get("size"), str) else human_bytes(a.get("size_bytes"))
         rows.append([a.get("name"), a.get("format") or "", a.get("rank") or "", a.get("alpha") or "", targets,
-                     human_bytes(a.get("size_bytes", a.get("size"))), (a.get("sha256") or "")[:12],
-                     ("✓ " if ok else "✗ ") + reason, a.get("tier") or a.get("where") or "disk",
+                     size, (a.get("sha256") or "")[:12], ("✓ " if ok else "✗ ") + reason,
+                     a.get("tier") or (where or {}).get(a.get("name"), "disk"),
                      "pinned" if a.get("pinned") else ""])
     return rows
 
@@ -200,23 +211,27 @@ def adapter_choices(adapters: list[dict]) -> tuple[list[tuple[str, str]], str]:
 
 # -- presets ----------------------------------------------------------------------------------
 def preset_cards_html(presets: list[dict], fused: dict | None = None) -> str:
-    active = (fused or {}).get("preset")
+    active = (fused or {}).get("preset") if isinstance(fused, dict) else None
     cards = []
     for p in presets:
         files = []
         for f in p.get("files") or []:
-            present = f.get("present")
-            where = f.get("path") if present else f"{f.get('repo', '')} / {f.get('filename', f.get('pattern', ''))}"
-            files.append(f'<li class="{"ls-present" if present else "ls-missing"}">'
-                         f'{"✓ present" if present else "✗ missing"} · {html.escape(str(f.get("component", "")))} · '
-                         f'<code>{html.escape(str(where))}</code></li>')
+            pattern = f.get("pattern") or f.get("filename") or ""
+            if f.get("present"):
+                line = f'✓ present ({html.escape(str(f.get("where") or ""))}) <code>{html.escape(str(f.get("path")))}</code>'
+            else:
+                line = (f'✗ missing: <code>huggingface-cli download {html.escape(str(f.get("repo", "")))} '
+                        f'--include \'{html.escape(pattern)}\'</code>')
+            demo = f' · demo stand-in <code>{html.escape(str(f["demo"]))}</code>' if f.get("demo") else ""
+            files.append(f'<li class="{"ls-present" if f.get("present") else "ls-missing"}">'
+                         f'<b>{html.escape(str(f.get("component", "")))}</b>: {line}{demo}</li>')
         defaults = ", ".join(f"{k}={v}" for k, v in (p.get("defaults") or {}).items())
         reqs = ", ".join(f"{k}: {v}" for k, v in (p.get("requirements") or {}).items())
-        badge = '<span class="ls-badge">fused now</span>' if p.get("id") == active else ""
-        ready = "ready" if p.get("ready", all(f.get("present") for f in p.get("files") or [])) else "files missing"
+        badge = ' <span class="ls-badge">fused now</span>' if p.get("id") == active else ""
+        ready = "ready" if p.get("ready") else "files missing (demo models use the stand-ins)"
         cards.append(
             f'<div class="ls-card" data-preset="{html.escape(str(p.get("id")))}">'
-            f'<h3>{html.escape(str(p.get("title") or p.get("id")))} {badge}</h3>'
+            f'<h3>{html.escape(str(p.get("title") or p.get("id")))}{badge}</h3>'
             f'<div><code>{html.escape(str(p.get("id")))}</code> · {html.escape(str(p.get("pipeline", "")))} · '
             f'{html.escape(ready)}</div>'
             f'<div>models: {html.escape(", ".join(p.get("models") or []))}</div>'
