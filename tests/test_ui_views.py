@@ -1,0 +1,133 @@
+"""The UI's pure pieces: what is shown for jobs, adapters, presets, metadata; the X/Y grid;
+and that importing the UI never loads torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from backend.errors import AdapterError, InvalidParameter
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_importing_ui_does_not_load_torch():
+    code = "import ui, sys; assert 'torch' not in sys.modules, 'ui imported torch'; " \
+           "assert 'diffusers' not in sys.modules; print('clean')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "clean" in out.stdout
+
+
+def test_errors_are_one_readable_line():
+    from ui.views import error_html, readable
+
+    assert readable(AdapterError("broken.safetensors: header is not valid JSON", param="file")) == \
+        "broken.safetensors: header is not valid JSON"
+    msg = readable(KeyError("transformer"))
+    assert "KeyError" in msg and "Traceback" not in msg and "\n" not in msg
+    assert "&lt;script&gt;" in error_html("<script>")
+
+
+def test_progress_bar_follows_the_job():
+    from ui.views import job_line, progress_html
+
+    queued = {"id": "7", "status": "queued", "queue_position": 3, "progress": {"step": 0, "total": None}}
+    assert job_line(queued) == "queued · position 3 in the queue"
+    half = progress_html({"id": "7", "status": "running", "progress": {"step": 2, "total": 4}})
+    assert 'data-step="2"' in half and 'data-total="4"' in half and "width:50%" in half
+    failed = progress_html({"id": "7", "status": "failed", "error": "'height' must be a multiple of 16"})
+    assert "ls-error" in failed and "multiple of 16" in failed
+
+
+def test_only_fitting_adapters_are_offered_and_the_others_say_why():
+    from ui.views import adapter_choices, adapter_rows
+
+    library = [{"name": "good", "fit": {"ok": True, "summary": "240/240 keys bind"}, "rank": 4, "pinned": True},
+               {"name": "wan-only", "fit": {"ok": False, "summary": "0 of 96 keys bind to QwenImagePipeline"}}]
+    choices, note = adapter_choices(library)
+    assert choices == [("good", "good")]
+    assert "wan-only" in note and "0 of 96 keys bind" in note
+    rows = adapter_rows(library)
+    assert rows[0][0] == "good" and rows[0][-1] == "pinned" and rows[1][7].startswith("✗")
+
+
+def test_the_stack_becomes_the_facade_payload_and_back():
+    from ui.generate import adapter_payload, stack_from_payload
+
+    stack = [{"name": "a", "scale": 0.5, "split": False, "high": 0.5, "low": 0.5},
+             {"name": "b", "scale": 1.0, "split": True, "high": 1.2, "low": 0.3}]
+    two = adapter_payload(stack, two_stage=True)
+    assert two == [{"name": "a", "scale": 0.5}, {"name": "b", "scale": {"transformer": 1.2, "transformer_2": 0.3}}]
+    # a one-transformer model ignores the split: one weight per adapter
+    assert adapter_payload(stack, two_stage=False)[1] == {"name": "b", "scale": 1.0}
+    assert adapter_payload(stack_from_payload(two), two_stage=True) == two
+
+
+def test_settings_come_back_from_metadata():
+    from ui.views import settings_from_metadata
+
+    meta = {"model": "demo:sd3.5", "seed": 9, "params": {"prompt": "cake", "num_inference_steps": 3},
+            "adapters": [{"name": "style", "sha256": "ab" * 32, "scale": 0.75}]}
+    s = settings_from_metadata(meta)
+    assert s["model"] == "demo:sd3.5" and s["params"]["seed"] == 9 and s["params"]["prompt"] == "cake"
+    assert s["adapters"] == [{"name": "style", "scale": 0.75}]
+
+
+def test_xy_plan_and_grid():
+    from ui.compare import plan
+    from ui.grid import compose, parse_numbers
+
+    assert parse_numbers("0, 0.5,1 ;1.5") == [0.0, 0.5, 1.0, 1.5]
+    with pytest.raises(InvalidParameter, match="adapter weights"):
+        parse_numbers("0, a lot", name="X: adapter weights")
+    rows = plan("seeds", [0.0, 1.0], ["style"], [1, 2, 3], seed=42)
+    assert [label for label, _ in rows] == ["seed 1", "seed 2", "seed 3"]
+    assert rows[2][1][1] == ("style 1", [{"name": "style", "scale": 1.0}], 3)
+    red, blue = Image.new("RGB", (32, 32), "red"), Image.new("RGB", (32, 32), "blue")
+    grid = compose([[red, blue], [None, red]], ["0", "1"], ["a", "b"], "weight", "adapter")
+    # cells are scaled up to at least 160 px, laid out in a 2 x 2 grid with labels around them
+    assert grid.width > 2 * 160 and grid.height > 2 * 160
+    colours = {c for _, c in grid.getcolors(maxcolors=1 << 20)}
+    assert (255, 0, 0) in colours and (0, 0, 255) in colours and (200, 200, 200) in colours
+
+
+def test_share_needs_auth():
+    import ui
+
+    assert ui.parse_auth("me:secret") == ("me", "secret")
+    with pytest.raises(InvalidParameter, match="USER:PASS"):
+        ui.parse_auth("nopassword")
+    # a public link without a login is refused before anything starts
+    with pytest.raises(InvalidParameter, match="needs --auth"):
+        ui.launch(ui.build_ui(studio=None), share=True, prevent_thread_lock=True)
+    with pytest.raises(InvalidParameter, match="needs --auth"):
+        ui.share_link("127.0.0.1", 7860, auth=None)
+
+
+def test_preset_cards_say_which_files_are_missing_and_how_to_get_them():
+    from ui.views import preset_cards_html
+
+    preset = {"id": "wan2.2-t2v-a14b-lightx2v-4step", "title": "Wan2.2 T2V 4-step", "pipeline": "WanPipeline",
+              "models": ["Wan-AI/Wan2.2-T2V-A14B-Diffusers", "demo:wan2.2-t2v"], "ready": False,
+              "defaults": {"num_inference_steps": 4}, "requirements": {"num_inference_steps": 4},
+              "files": [{"component": "transformer", "repo": "lightx2v/Wan2.2-Lightning", "pattern": "*high*.safetensors",
+                         "present": False, "path": None, "demo": "high.safetensors"},
+                        {"component": "transformer_2", "repo": "lightx2v/Wan2.2-Lightning", "pattern": "*low*",
+                         "present": True, "path": "/models/low.safetensors", "where": "adapter-dir"}]}
+    card = preset_cards_html([preset], fused={"preset": "wan2.2-t2v-a14b-lightx2v-4step"})
+    assert "huggingface-cli download lightx2v/Wan2.2-Lightning --include '*high*.safetensors'" in card
+    assert "/models/low.safetensors" in card and "fused now" in card and "files missing" in card
+
+
+def test_where_an_adapter_lives_comes_from_the_cache_tiers():
+    from ui.views import adapter_rows, tiers_of
+
+    system = {"lora_cache": {"tiers": {"cpu": {"adapters": ["a", "b"]}, "device": {"adapters": ["a"]}}}}
+    where = tiers_of(system)
+    assert where == {"a": "device", "b": "cpu"}
+    rows = adapter_rows([{"name": n} for n in ("a", "b", "c")], where)
+    assert [r[8] for r in rows] == ["device", "cpu", "disk"]

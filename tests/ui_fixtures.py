@@ -1,0 +1,130 @@
+"""Fixtures shared by the UI tests: the launched app and adapter files for the demo models.
+
+The app is the product itself: ``python app.py serve`` (the Studio, its worker, the HTTP
+API and this UI on one port), on a free port. Set LORA_STUDIO_UI_URL to point the tests
+at an app that is already running instead (with its data directory in $LORA_STUDIO_HOME).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+MODEL = "demo:qwen-image"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_lora(model_dir: Path, out: Path, *, rank: int = 4, seed: int = 0, strength: float = 0.5,
+              component: str = "transformer") -> Path:
+    """A diffusers-format LoRA on every attention projection of the model's ``component``."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    with safe_open(str(model_dir / component / "diffusion_pytorch_model.safetensors"), "np") as f:
+        for key in f.keys():
+            if ".attn.to_" in key and key.endswith(".weight"):
+                out_f, in_f = f.get_slice(key).get_shape()
+                base = f"{component}.{key[:-len('.weight')]}"
+                tensors[f"{base}.lora_A.weight"] = (rng.standard_normal((rank, in_f)) * strength).astype(np.float32)
+                tensors[f"{base}.lora_B.weight"] = (rng.standard_normal((out_f, rank)) * strength).astype(np.float32)
+    assert tensors, f"no attention projections under {model_dir / component}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out))
+    return out
+
+
+def broken_adapter(out: Path) -> Path:
+    """Not a safetensors file at all: an 8-byte header length, then garbage."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes((64).to_bytes(8, "little") + b"this is not json" * 4)
+    return out
+
+
+class App:
+    """The launched app: its URL and its data directory (library root: <data-dir>/adapters)."""
+
+    def __init__(self, url: str, data_dir: Path):
+        self.url, self.data_dir = url.rstrip("/") + "/", Path(data_dir)
+
+    def add_adapter(self, path: Path, name: str) -> None:
+        target = self.data_dir / "adapters" / f"{name}{path.suffix}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+
+    def get(self, route: str):
+        import httpx
+
+        return httpx.get(self.url + route.lstrip("/"), timeout=30).json()
+
+
+def _wait_until_up(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"app.py serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "health", timeout=5).status_code == 200 and \
+                    httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"app.py serve did not come up in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def app(data_dir, demo_path, tmp_path_factory):
+    """``python app.py serve`` (UI + HTTP API, one port) in its own data directory, which
+    shares the session's demo models so they are built once."""
+    url = os.environ.get("LORA_STUDIO_UI_URL")
+    if url:
+        yield App(url, Path(os.environ["LORA_STUDIO_HOME"]))
+        return
+    pytest.importorskip("backend.service", reason="the Studio facade and its server are not on this branch yet")
+    demo_path(MODEL)
+    home = tmp_path_factory.mktemp("ui-app")
+    (home / "models").symlink_to(data_dir / "models", target_is_directory=True)
+    port = free_port()
+    log = home / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "app.py", "serve", MODEL, "--host", "127.0.0.1", "--port", str(port),
+                                 "--data-dir", str(home), "--device", "cpu"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "LORA_STUDIO_HOME": str(home)})
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        _wait_until_up(proc, url, log)
+        yield App(url, home)
+    finally:
+        proc.terminate()  # SIGTERM: the server shuts its worker down cleanly
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def lora_files(tmp_path_factory, demo_path):
+    root = tmp_path_factory.mktemp("loras")
+    model_dir = demo_path(MODEL)
+    return {"style": make_lora(model_dir, root / "ui-style.safetensors", seed=1),
+            "other": make_lora(model_dir, root / "ui-other.safetensors", seed=2),
+            "broken": broken_adapter(root / "ui-broken.safetensors")}

@@ -1,0 +1,115 @@
+"""The Adapters tab: the library as a table, a detail view, import by upload, delete, pin."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+
+from . import views
+from .views import error_html, ok_html, readable
+
+UPLOAD_TYPES = [".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt"]  # pickles are refused by the backend
+
+
+def staged_upload(paths: list[str], name: str) -> Path:
+    """One file imports as itself; several (a PEFT folder's files) as a folder named ``name``."""
+    if len(paths) == 1:
+        return Path(paths[0])
+    folder = Path(tempfile.mkdtemp(prefix="ls-upload-")) / name
+    folder.mkdir()
+    for p in paths:
+        # Gradio keeps the original file name as the cached file's basename
+        shutil.copy2(p, folder / Path(p).name)
+    return folder
+
+
+def default_name(paths: list[str]) -> str:
+    first = Path(paths[0])
+    return first.stem if len(paths) == 1 else first.parent.name
+
+
+def build(studio):
+    with gr.Row():
+        refresh = gr.Button("Refresh", scale=0, elem_id="adapters-refresh")
+        status = gr.HTML(elem_id="adapters-status")
+    table = gr.Dataframe(headers=views.ADAPTER_COLUMNS, value=[], interactive=False, wrap=True,
+                         elem_id="adapters-table", label="Library (fit is for the loaded model)")
+    with gr.Row():
+        with gr.Column(scale=2):
+            selected = gr.Dropdown(label="Adapter", choices=[], elem_id="adapters-selected")
+            with gr.Row():
+                pin = gr.Button("Pin", elem_id="adapters-pin")
+                unpin = gr.Button("Unpin", elem_id="adapters-unpin")
+                delete = gr.Button("Delete", variant="stop", elem_id="adapters-delete")
+            detail = gr.JSON(label="Detail: config, safetensors metadata, fit report", elem_id="adapters-detail")
+        with gr.Column(scale=1):
+            gr.Markdown("**Import**: a `.safetensors` LoRA (diffusers, kohya, ComfyUI, lightx2v keys), or a PEFT "
+                        "folder's `adapter_config.json` + `adapter_model.safetensors` together. Pickled files are "
+                        "refused.")
+            upload = gr.File(label="Adapter file(s)", file_count="multiple", file_types=UPLOAD_TYPES,
+                             type="filepath", elem_id="adapters-upload")
+            name = gr.Textbox(label="Name (default: the file name)", elem_id="adapters-name")
+            do_import = gr.Button("Import", variant="primary", elem_id="adapters-import")
+
+    def listing(message: str = ""):
+        try:
+            adapters, where = studio.adapters(), views.tiers_of(studio.system())
+        except Exception as exc:
+            return [gr.update(), gr.update(), error_html(readable(exc))]
+        names = [a["name"] for a in adapters]
+        return [views.adapter_rows(adapters, where), gr.update(choices=names), message]
+
+    outs = [table, selected, status]
+    refresh.click(listing, None, outs, api_visibility="private")
+
+    def show(name):
+        if not name:
+            return None, ""
+        try:
+            return studio.adapter_detail(name), ""
+        except Exception as exc:
+            return None, error_html(readable(exc))
+
+    selected.change(show, selected, [detail, status], api_visibility="private")
+
+    def pick_row(evt: gr.SelectData):
+        row = evt.row_value if evt is not None else None
+        return row[0] if row else gr.update()
+
+    table.select(pick_row, None, selected, api_visibility="private")
+
+    def act(verb):
+        def run(name):
+            if not name:
+                return listing(error_html("choose an adapter first"))
+            try:
+                if verb == "delete":
+                    studio.delete_adapter(name)
+                else:
+                    studio.pin(name, verb == "pin")
+            except Exception as exc:
+                return listing(error_html(readable(exc)))
+            return listing(ok_html(f"{verb}{'ned' if verb != 'delete' else 'd'} {name}"))
+        return run
+
+    for btn, verb in ((pin, "pin"), (unpin, "unpin"), (delete, "delete")):
+        btn.click(act(verb), selected, outs, api_visibility="private")
+
+    def imp(paths, given):
+        """Import, then clear the upload box (success or not) so the next upload starts fresh."""
+        if not paths:
+            return [*listing(error_html("choose a file to import")), None]
+        paths = [paths] if isinstance(paths, str) else list(paths)
+        label = (given or "").strip() or default_name(paths)
+        try:
+            record = studio.import_adapter(str(staged_upload(paths, label)), label)
+        except Exception as exc:
+            files = ", ".join(Path(p).name for p in paths)
+            return [*listing(error_html(f"could not import {files} as {label!r}: {readable(exc)}")), None]
+        shown = record.get("name", label) if isinstance(record, dict) else label
+        return [*listing(ok_html(f"imported {shown}")), None]
+
+    do_import.click(imp, [upload, name], [*outs, upload], api_visibility="private", show_progress="minimal")
+    return listing, outs

@@ -1,0 +1,138 @@
+"""Assembling the tabs into one ``gr.Blocks`` over a ``backend.service.Studio``."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gradio as gr
+
+from backend import settings
+
+from . import adapters, api, compare, gallery, generate, presets, queue_tab, system
+
+CSS = """
+.ls-bar { height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; margin-top: 4px; }
+.ls-bar-fill { height: 100%; background: var(--color-accent); transition: width .15s linear; }
+.ls-job { padding: 6px 0; }
+.ls-error { color: var(--error-text-color, #b91c1c); background: var(--error-background-fill, #fef2f2);
+            border: 1px solid var(--error-border-color, #fca5a5); border-radius: 6px; padding: 6px 10px; }
+.ls-ok { color: var(--body-text-color); padding: 6px 0; }
+.ls-unfit-list { opacity: .6; font-size: .9em; }
+.ls-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(320px, 1fr)); gap: 12px; }
+.ls-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 10px; }
+.ls-card h3 { margin: 0 0 4px 0; }
+.ls-missing { color: var(--error-text-color, #b91c1c); }
+.ls-present { color: var(--color-green-600, #16a34a); }
+#result-image img, #cmp-grid img { image-rendering: pixelated; min-width: 256px; object-fit: contain; }
+.ls-badge { background: var(--color-accent); color: white; border-radius: 4px; padding: 0 6px; font-size: .8em; }
+"""
+
+TAB_IDS = ("generate", "compare", "adapters", "presets", "queue", "gallery", "system")
+
+
+def parse_auth(auth) -> tuple[str, str] | None:
+    """``"USER:PASS"`` (the --auth flag) or a (user, password) pair."""
+    if auth is None or isinstance(auth, tuple):
+        return auth
+    user, sep, password = str(auth).partition(":")
+    if not sep or not user or not password:
+        from backend.errors import InvalidParameter
+
+        raise InvalidParameter("--auth must be USER:PASS", param="auth")
+    return user, password
+
+
+def build_ui(studio, *, auth=None) -> gr.Blocks:
+    with gr.Blocks(title="LoRA Studio") as blocks:
+        gr.Markdown("# LoRA Studio")
+        api.build(studio)  # first, so the named endpoints keep their names (private events are named too)
+        with gr.Tabs() as tabs:
+            with gr.Tab("Generate", id="generate", elem_id="tab-generate"):
+                gen = generate.build(studio)
+            with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
+                compare.build(studio, gen)
+            with gr.Tab("Adapters", id="adapters", elem_id="tab-adapters") as t_adapters:
+                list_adapters, adapter_outs = adapters.build(studio)
+            with gr.Tab("Presets", id="presets", elem_id="tab-presets") as t_presets:
+                list_presets, preset_outs = presets.build(studio)
+            with gr.Tab("Queue", id="queue", elem_id="tab-queue") as t_queue:
+                timer, job_rows, job_table = queue_tab.build(studio)
+            with gr.Tab("Gallery", id="gallery", elem_id="tab-gallery") as t_gallery:
+                list_outputs, gallery_outs = gallery.build(studio, gen, tabs)
+            with gr.Tab("System", id="system", elem_id="tab-system") as t_system:
+                show_system, system_outs = system.build(studio)
+
+        # each tab refreshes when shown; the queue table ticks only while its tab is open
+        def tab_refresh(fn, tab, outs):
+            tab.select(fn, None, outs, api_visibility="private")
+
+        tab_refresh(list_adapters, t_adapters, adapter_outs)
+        tab_refresh(list_presets, t_presets, preset_outs)
+        tab_refresh(list_outputs, t_gallery, gallery_outs)
+        tab_refresh(show_system, t_system, system_outs)
+        t_queue.select(lambda: (gr.Timer(active=True), job_rows()), None, [timer, job_table],
+                       api_visibility="private")
+        for other in (t_adapters, t_presets, t_gallery, t_system):
+            other.select(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
+
+        def on_load():
+            return [*gen.load_models(), *generate.adapter_pick_updates(studio), gr.update(choices=preset_choices())]
+
+        def preset_choices():
+            try:
+                return [generate.NO_PRESET] + [p["id"] for p in studio.presets()]
+            except Exception:
+                return [generate.NO_PRESET]
+
+        blocks.load(on_load, None, [*gen.model_outputs, gen.pick, gen.unfit, gen.preset], api_visibility="private")
+    # Follow-events only poll the Studio's queue (which serializes the work), so they need no
+    # Gradio-side limit; that is what lets the UI show the real queue position.
+    blocks.queue(default_concurrency_limit=None, max_size=None)
+    blocks.ls_launch = {"auth": parse_auth(auth), "allowed_paths": output_roots(studio), "css": CSS,
+                        "ssr_mode": False}
+    return blocks
+
+
+def output_roots(studio) -> list[str]:
+    """Where result files live: Gradio serves files only from these."""
+    root = getattr(studio, "data_dir", None)
+    roots = {str(settings.outputs_dir(root))}
+    extra = os.environ.get("LORA_STUDIO_HOME")
+    if extra:
+        roots.add(str(Path(extra) / "outputs"))
+    return sorted(roots)
+
+
+def mount(app, studio, *, auth=None, path: str = "/"):
+    """Mount the UI on the backend's FastAPI app, so UI and HTTP API share one server.
+    Mount last: routes added to ``app`` before this keep priority over the UI."""
+    blocks = build_ui(studio, auth=auth)
+    kw = blocks.ls_launch
+    return gr.mount_gradio_app(app, blocks, path=path, auth=kw["auth"], allowed_paths=kw["allowed_paths"],
+                               css=kw["css"], ssr_mode=False, footer_links=["api", "settings"])
+
+
+def launch(blocks: gr.Blocks, **kwargs):
+    """``blocks.launch`` with the settings build_ui chose (tests and standalone use)."""
+    opts = {**blocks.ls_launch, **kwargs}
+    if opts.get("share") and not opts.get("auth"):
+        from backend.errors import InvalidParameter
+
+        raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS", param="share")
+    return blocks.launch(**opts)
+
+
+def share_link(host: str, port: int, *, auth) -> str:
+    """A public gradio.live link to a server already listening on host:port (--share).
+    Refuses without a login: the link is public for a week."""
+    if not auth:
+        from backend.errors import InvalidParameter
+
+        raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS", param="share")
+    import secrets
+
+    from gradio import networking
+
+    url = networking.setup_tunnel(local_host=host, local_port=port, share_token=secrets.token_urlsafe(32),
+                                  share_server_address=None, share_server_tls_certificate=None)
+    return url.replace("http://", "https://", 1)

@@ -1,0 +1,442 @@
+"""The Generate tab: model picker, the fields the model has, a LoRA stack, a preset
+picker, and a job followed from the queue to the result.
+
+The LoRA stack is a fixed set of row slots over one ``gr.State`` list; rows are
+shown, filled and hidden from that list, which keeps every widget stable for the
+browser and for ``gr.Progress`` (dynamic re-rendering would rebuild them mid-job).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import gradio as gr
+
+from . import views
+from .fields import WIDGETS, FieldWidget, clean_value
+from .follow import follow
+from .views import ModelInfo, error_html, ok_html, readable
+
+MAX_LORAS = 6
+NO_PRESET = "(none: base weights)"
+
+
+def models_by_id(studio) -> dict[str, ModelInfo]:
+    return {m["id"]: ModelInfo.from_dict(m) for m in studio.models()}
+
+
+def model_choices(studio) -> list[tuple[str, str]]:
+    return [(f"{m.id}  (loaded)" if m.loaded else m.id, m.id) for m in models_by_id(studio).values()]
+
+
+def adapter_payload(stack: list[dict], two_stage: bool) -> list[dict]:
+    """The stack as the facade takes it: [{"name", "scale"}], scale per component when split."""
+    out = []
+    for e in stack:
+        if two_stage and e.get("split"):
+            out.append({"name": e["name"], "scale": {"transformer": float(e["high"]),
+                                                     "transformer_2": float(e["low"])}})
+        else:
+            out.append({"name": e["name"], "scale": float(e["scale"])})
+    return out
+
+
+def stack_from_payload(adapters: list[dict]) -> list[dict]:
+    stack = []
+    for a in adapters[:MAX_LORAS]:
+        scale = a.get("scale", 1.0)
+        if isinstance(scale, dict):
+            hi, lo = float(scale.get("transformer", 1.0)), float(scale.get("transformer_2", 1.0))
+            stack.append({"name": a["name"], "scale": hi, "split": True, "high": hi, "low": lo})
+        else:
+            s = float(scale)
+            stack.append({"name": a["name"], "scale": s, "split": False, "high": s, "low": s})
+    return stack
+
+
+@dataclass
+class StackRow:
+    row: gr.Group
+    name: gr.Textbox
+    scale: gr.Slider
+    split: gr.Checkbox
+    high: gr.Slider
+    low: gr.Slider
+    up: gr.Button
+    down: gr.Button
+    remove: gr.Button
+
+    def outputs(self) -> list:
+        return [self.row, self.name, self.scale, self.split, self.high, self.low]
+
+
+def render_stack(stack: list[dict], two_stage: bool) -> list:
+    updates = []
+    for i in range(MAX_LORAS):
+        if i < len(stack):
+            e = stack[i]
+            split = two_stage and bool(e.get("split"))
+            updates += [gr.update(visible=True), e["name"], gr.update(value=e["scale"], visible=not split),
+                        gr.update(value=split, visible=two_stage), gr.update(value=e["high"], visible=split),
+                        gr.update(value=e["low"], visible=split)]
+        else:
+            updates += [gr.update(visible=False), "", gr.update(value=1.0), gr.update(value=False),
+                        gr.update(value=1.0), gr.update(value=1.0)]
+    return updates
+
+
+def _widget(w: FieldWidget):
+    common = dict(label=w.label, info=w.info or None, visible=False, elem_id=f"field-{w.name}")
+    if w.kind == "text":
+        return gr.Textbox(lines=2, **common)
+    if w.kind == "choice":
+        return gr.Dropdown(choices=list(w.choices), value=None, **common)
+    if w.kind == "image":
+        common.pop("info")
+        return gr.Image(type="filepath", sources=["upload", "clipboard"], height=220, **common)
+    return gr.Number(value=None, precision=0 if w.kind == "int" else None, step=w.step, **common)
+
+
+@dataclass
+class GenerateTab:
+    model: gr.Dropdown = None
+    mode: gr.Markdown = None
+    prompt: gr.Textbox = None
+    seed: gr.Number = None
+    widgets: dict = field(default_factory=dict)
+    stack: gr.State = None
+    rows: list = field(default_factory=list)
+    pick: gr.Dropdown = None
+    unfit: gr.HTML = None
+    preset: gr.Dropdown = None
+    preset_note: gr.HTML = None
+    applied: gr.State = None
+    status: gr.HTML = None
+    job_id: gr.Textbox = None
+    image: gr.Image = None
+    video: gr.Video = None
+    metadata: gr.JSON = None
+
+    def row_outputs(self) -> list:
+        return [c for r in self.rows for c in r.outputs()]
+
+    def field_outputs(self) -> list:
+        return [self.widgets[w.name] for w in WIDGETS]
+
+    # what "use these settings" / a dropped PNG updates (after the model switch), in this order
+    def restore_outputs(self) -> list:
+        return [self.prompt, self.seed, *self.field_outputs(), self.stack, *self.row_outputs(), self.status]
+
+    def restore_updates(self, studio, settings: dict | None, model_id: str) -> list:
+        if not settings:
+            return [gr.update()] * (len(self.restore_outputs()) - 1) + [error_html("no settings to restore")]
+        m = models_by_id(studio).get(model_id)
+        params = settings.get("params") or {}
+        stack = stack_from_payload(settings.get("adapters") or [])
+        note = ok_html(f"restored the settings of a {settings.get('model')} result")
+        if m is None or m.id != settings.get("model"):
+            note = error_html(f"the result was made with {settings.get('model')!r}, which is not available here; "
+                              f"restored what fits {model_id!r}")
+        return [params.get("prompt", ""), params.get("seed"),
+                *field_updates(m, {k: v for k, v in params.items()}, reset=False),
+                stack, *render_stack(stack, bool(m and m.two_stage)), note]
+
+
+def field_updates(m: ModelInfo | None, values: dict | None = None, *, reset: bool = True) -> list:
+    """Show the widgets the model has; fill them from ``values`` or the model's defaults."""
+    updates = []
+    for w in WIDGETS:
+        has = m is not None and w.name in m.fields
+        if not has:
+            updates.append(gr.update(visible=False, value=None))
+        elif values is not None and w.name in values and w.kind != "image":
+            updates.append(gr.update(visible=True, value=values[w.name]))
+        elif reset and w.kind != "image":
+            updates.append(gr.update(visible=True, value=m.defaults.get(w.name)))
+        else:
+            updates.append(gr.update(visible=True))
+    return updates
+
+
+def adapter_pick_updates(studio) -> list:
+    try:
+        choices, note = views.adapter_choices(studio.adapters())
+    except Exception as exc:
+        return [gr.update(choices=[], value=None), error_html(readable(exc))]
+    return [gr.update(choices=choices, value=choices[0][1] if choices else None), note]
+
+
+def build(studio) -> GenerateTab:
+    t = GenerateTab()
+    with gr.Row():
+        with gr.Column(scale=3):
+            with gr.Row():
+                t.model = gr.Dropdown(label="Model", choices=[], allow_custom_value=True, elem_id="model-picker",
+                                      info="the loaded model and the others available; switching loads it", scale=3)
+                refresh = gr.Button("Refresh", scale=0, min_width=80, elem_id="models-refresh")
+            t.mode = gr.Markdown(elem_id="mode")
+            t.prompt = gr.Textbox(label="Prompt (prompt)", lines=3, elem_id="prompt",
+                                  placeholder="A piece of cheesecake on a plate")
+            for w in WIDGETS:
+                if w.group in ("prompt", "inputs"):
+                    t.widgets[w.name] = _widget(w)
+            with gr.Row():
+                t.seed = gr.Number(label="Seed (seed)", value=42, precision=0, minimum=0, elem_id="seed", scale=3)
+                dice = gr.Button("Random seed", scale=1, elem_id="seed-random")
+            with gr.Row():
+                for w in WIDGETS:
+                    if w.group == "size":
+                        t.widgets[w.name] = _widget(w)
+            with gr.Row():
+                for w in WIDGETS:
+                    if w.group == "video":
+                        t.widgets[w.name] = _widget(w)
+            with gr.Accordion("Sampling", open=True):
+                with gr.Row():
+                    for w in WIDGETS:
+                        if w.group == "sampling":
+                            t.widgets[w.name] = _widget(w)
+
+            with gr.Accordion("LoRA stack", open=True, elem_id="lora-stack"):
+                with gr.Row():
+                    t.pick = gr.Dropdown(label="Adapter", choices=[], elem_id="adapter-pick", scale=3,
+                                         info="adapters in the library that fit the loaded model")
+                    add = gr.Button("Add to stack", elem_id="adapter-add", scale=1)
+                t.unfit = gr.HTML(elem_id="adapter-unfit")
+                t.stack = gr.State([])
+                for i in range(MAX_LORAS):
+                    with gr.Group(visible=False, elem_classes=["ls-stack-row"], elem_id=f"stack-row-{i}") as row:
+                        with gr.Row(equal_height=True):
+                            name = gr.Textbox(show_label=False, interactive=False, container=False, scale=4,
+                                              min_width=120, elem_id=f"stack-name-{i}")
+                            up = gr.Button("↑", min_width=36, scale=0, size="sm")
+                            down = gr.Button("↓", min_width=36, scale=0, size="sm")
+                            remove = gr.Button("✕", min_width=36, scale=0, size="sm", elem_id=f"stack-remove-{i}")
+                        with gr.Row():
+                            scale = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="weight", scale=3,
+                                              elem_id=f"stack-scale-{i}")
+                            split = gr.Checkbox(label="per transformer", value=False, visible=False, scale=1,
+                                                min_width=100)
+                            high = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="transformer (high noise)",
+                                             visible=False, scale=2)
+                            low = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="transformer_2 (low noise)",
+                                            visible=False, scale=2)
+                    t.rows.append(StackRow(row, name, scale, split, high, low, up, down, remove))
+
+            with gr.Accordion("Preset (distill: fused into the base weights)", open=False, elem_id="gen-preset"):
+                with gr.Row():
+                    t.preset = gr.Dropdown(label="Preset", choices=[NO_PRESET], value=NO_PRESET, scale=3,
+                                           elem_id="gen-preset-pick")
+                    apply_btn = gr.Button("Apply preset", scale=1, elem_id="gen-preset-apply")
+                t.preset_note = gr.HTML()
+                t.applied = gr.State(None)
+
+        with gr.Column(scale=2):
+            with gr.Row():
+                go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
+                stop = gr.Button("Cancel", variant="stop", elem_id="cancel-btn")
+            t.status = gr.HTML(elem_id="gen-status")
+            t.job_id = gr.Textbox(visible="hidden", elem_id="gen-job-id")
+            t.image = gr.Image(label="Result", type="filepath", interactive=False, elem_id="result-image",
+                               format="png")
+            t.video = gr.Video(label="Result", interactive=False, visible=False, elem_id="result-video")
+            t.metadata = gr.JSON(label="Metadata", elem_id="result-metadata")
+
+    _wire(studio, t, refresh, dice, add, apply_btn, go, stop)
+    return t
+
+
+def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> None:
+    two_stage_of = lambda model_id: models_by_id(studio).get(model_id, ModelInfo(id="")).two_stage  # noqa: E731
+
+    def load_models():
+        try:
+            models = models_by_id(studio)
+        except Exception as exc:
+            return [gr.update(), "", error_html(readable(exc))] + field_updates(None)
+        m = next((x for x in models.values() if x.loaded), next(iter(models.values()), None))
+        choices = [(f"{x.id}  (loaded)" if x.loaded else x.id, x.id) for x in models.values()]
+        return ([gr.update(choices=choices, value=m.id if m else None),
+                 views.mode_markdown(m) if m else "", ""] + field_updates(m))
+
+    model_outputs = [t.model, t.mode, t.status, *t.field_outputs()]
+    refresh.click(load_models, None, model_outputs, api_visibility="private")
+
+    def switch(model_id, stack, progress=gr.Progress()):
+        """Load the chosen model through the queue, with progress, then show its fields."""
+        models = models_by_id(studio)
+        m = models.get(model_id)
+        if m is None:
+            yield [gr.update()] * 2 + [error_html(f"unknown model {model_id!r}")] + field_updates(None) + \
+                [gr.update()] * 2 + [stack, *render_stack(stack, False)]
+            return
+        if not m.loaded:
+            try:
+                job = studio.switch_model(model_id)
+            except Exception as exc:
+                yield [gr.update(), gr.update(), error_html(readable(exc))] + [gr.update()] * len(WIDGETS) + \
+                    [gr.update()] * 2 + [stack, *render_stack(stack, m.two_stage)]
+                return
+            for (job,) in follow(studio, [job["id"]]):
+                progress(views.job_fraction(job), desc=f"loading {model_id}")
+                yield [gr.update(), gr.update(), views.progress_html(job)] + [gr.update()] * len(WIDGETS) + \
+                    [gr.update()] * 2 + [stack, *render_stack(stack, m.two_stage)]
+            if job.get("status") != "succeeded":
+                yield [gr.update(), gr.update(), error_html(f"could not load {model_id}: {job.get('error')}")] + \
+                    [gr.update()] * len(WIDGETS) + [gr.update()] * 2 + [stack, *render_stack(stack, m.two_stage)]
+                return
+            m = models_by_id(studio).get(model_id, m)
+        # adapters that fit the old model may not fit this one: keep only those that still do
+        try:
+            choices, unfit = views.adapter_choices(studio.adapters())
+        except Exception as exc:
+            choices, unfit = [], error_html(readable(exc))
+        fits = {value for _, value in choices}
+        kept = [e for e in stack if e["name"] in fits]
+        dropped = [e["name"] for e in stack if e["name"] not in fits]
+        note = ok_html(f"{model_id} loaded" + (f"; removed adapters that do not fit it: {', '.join(dropped)}"
+                                              if dropped else ""))
+        yield [gr.update(choices=model_choices(studio), value=model_id), views.mode_markdown(m), note] + \
+            field_updates(m) + \
+            [gr.update(choices=choices, value=choices[0][1] if choices else None), unfit] + \
+            [kept, *render_stack(kept, m.two_stage)]
+
+    switch_outputs = [t.model, t.mode, t.status, *t.field_outputs(), t.pick, t.unfit, t.stack, *t.row_outputs()]
+    t.model.input(switch, [t.model, t.stack], switch_outputs, api_visibility="private",
+                  concurrency_limit=None)
+
+    dice.click(lambda: random.randrange(2**31), None, t.seed, api_visibility="private", queue=False)
+
+    def add_adapter(name, stack, model_id):
+        if not name:
+            return [stack, *render_stack(stack, two_stage_of(model_id)),
+                    error_html("pick an adapter first (the library has none that fit this model?)")]
+        if len(stack) >= MAX_LORAS:
+            return [stack, *render_stack(stack, two_stage_of(model_id)),
+                    error_html(f"the stack holds at most {MAX_LORAS} adapters")]
+        if any(e["name"] == name for e in stack):
+            return [stack, *render_stack(stack, two_stage_of(model_id)), error_html(f"{name} is already in the stack")]
+        stack = stack + [{"name": name, "scale": 1.0, "split": False, "high": 1.0, "low": 1.0}]
+        return [stack, *render_stack(stack, two_stage_of(model_id)), ""]
+
+    add.click(add_adapter, [t.pick, t.stack, t.model], [t.stack, *t.row_outputs(), t.status],
+              api_visibility="private", queue=False)
+
+    for i, r in enumerate(t.rows):
+        def setter(key, i=i):
+            def set_value(value, stack):
+                if i < len(stack):
+                    stack = [dict(e) for e in stack]
+                    stack[i][key] = value
+                    if key == "scale":  # the split sliders start from the shared weight
+                        stack[i]["high"] = stack[i]["low"] = value
+                return stack
+            return set_value
+        for key, comp in (("scale", r.scale), ("high", r.high), ("low", r.low)):
+            comp.change(setter(key), [comp, t.stack], t.stack, api_visibility="private", queue=False)
+
+        def toggle(split, stack, model_id, i=i):
+            stack = [dict(e) for e in stack]
+            if i < len(stack):
+                stack[i]["split"] = bool(split)
+            return [stack, *render_stack(stack, two_stage_of(model_id))]
+
+        r.split.input(toggle, [r.split, t.stack, t.model], [t.stack, *t.row_outputs()],
+                      api_visibility="private", queue=False)
+
+        def move(stack, model_id, i=i, delta=0):
+            stack = list(stack)
+            j = i + delta
+            if delta == 0:
+                stack = stack[:i] + stack[i + 1:]
+            elif 0 <= j < len(stack) and i < len(stack):
+                stack[i], stack[j] = stack[j], stack[i]
+            return [stack, *render_stack(stack, two_stage_of(model_id))]
+
+        for btn, delta in ((r.remove, 0), (r.up, -1), (r.down, 1)):
+            btn.click(lambda stack, model_id, i=i, delta=delta: move(stack, model_id, i, delta),
+                      [t.stack, t.model], [t.stack, *t.row_outputs()], api_visibility="private", queue=False)
+
+    # -- presets ----------------------------------------------------------------------------
+    def preset_note(preset_id):
+        if not preset_id or preset_id == NO_PRESET:
+            return "Generation runs on the base weights (plus the LoRA stack)."
+        p = next((p for p in studio.presets() if p.get("id") == preset_id), None)
+        if p is None:
+            return error_html(f"unknown preset {preset_id!r}")
+        return views.preset_cards_html([p])
+
+    t.preset.change(preset_note, t.preset, t.preset_note, api_visibility="private")
+
+    def apply(preset_id, model_id):
+        m = models_by_id(studio).get(model_id)
+        try:
+            if not preset_id or preset_id == NO_PRESET:
+                studio.restore_base()
+                return [None, ok_html("restored the base weights")] + [gr.update()] * len(WIDGETS)
+            result = studio.apply_preset(preset_id)
+        except Exception as exc:
+            return [gr.update(), error_html(readable(exc))] + [gr.update()] * len(WIDGETS)
+        p = next((p for p in studio.presets() if p.get("id") == preset_id), {})
+        values = dict(p.get("defaults") or {})
+        fused = (result or {}).get("fused") if isinstance(result, dict) else None
+        msg = f"fused preset {preset_id}" + (f" ({views.adapters_label(fused)})" if isinstance(fused, list) else "")
+        return [preset_id, ok_html(msg)] + field_updates(m, values, reset=False)
+
+    apply_btn.click(apply, [t.preset, t.model], [t.applied, t.preset_note, *t.field_outputs()],
+                    api_visibility="private")
+
+    # -- generate ---------------------------------------------------------------------------
+    def run(model_id, prompt, seed, stack, applied, *values, progress=gr.Progress()):
+        m = models_by_id(studio).get(model_id)
+        blank = [gr.update(), gr.update(), gr.update()]
+        if m is None:
+            yield [error_html(f"pick a model first (got {model_id!r})"), ""] + blank
+            return
+        params = {"prompt": prompt, "seed": None if seed is None else int(seed)}
+        for w, v in zip(WIDGETS, values):
+            if w.name in m.fields:
+                value = clean_value(w, v)
+                if value is not None:
+                    params[w.name] = value
+        try:
+            job = studio.submit("generate", params, adapter_payload(stack, m.two_stage), applied, model_id)
+        except Exception as exc:
+            yield [error_html(readable(exc)), ""] + blank
+            return
+        for (job,) in follow(studio, [job["id"]]):
+            prog = job.get("progress") or {}
+            if prog.get("total"):
+                progress((prog.get("step") or 0, prog["total"]), desc="denoising", unit="steps")
+            yield [views.progress_html(job), str(job["id"])] + blank
+        yield [views.progress_html(job) if job.get("status") == "succeeded" else
+               error_html(f"job {job['id']} {job.get('status')}: {job.get('error') or 'no reason given'}"),
+               str(job["id"])] + result_updates(job, m)
+
+    gen = go.click(run, [t.model, t.prompt, t.seed, t.stack, t.applied, *t.field_outputs()],
+                   [t.status, t.job_id, t.image, t.video, t.metadata],
+                   api_visibility="private", concurrency_limit=None, show_progress_on=[t.image, t.video])
+
+    def cancel_current(job_id):
+        if job_id:
+            try:
+                studio.cancel(job_id)
+            except Exception as exc:
+                return error_html(readable(exc))
+        return ok_html(f"cancelled job {job_id}" if job_id else "nothing to cancel")
+
+    stop.click(cancel_current, t.job_id, t.status, cancels=[gen], api_visibility="private", queue=False)
+    # the app's page-load handler and the Gallery's "use these settings" reuse these
+    t.load_models, t.model_outputs = load_models, model_outputs
+    t.switch, t.switch_outputs = switch, switch_outputs
+
+
+def result_updates(job: dict, m: ModelInfo) -> list:
+    """[image, video, metadata] updates for a finished job."""
+    result = job.get("result") or {}
+    path, meta = result.get("path"), result.get("metadata")
+    if job.get("status") != "succeeded" or not path:
+        return [gr.update(), gr.update(), meta or gr.update()]
+    video = str(path).endswith(".mp4")
+    return [gr.update(value=None if video else path, visible=not video),
+            gr.update(value=path if video else None, visible=video), meta]

@@ -1,0 +1,58 @@
+"""The Queue tab: a live table of jobs, cancel and retry."""
+from __future__ import annotations
+
+import gradio as gr
+
+from . import views
+from .views import error_html, ok_html, readable
+
+REFRESH_S = 1.0
+
+
+def build(studio):
+    timer = gr.Timer(REFRESH_S, active=False)
+    table = gr.Dataframe(headers=views.JOB_COLUMNS, value=[], interactive=False, wrap=True,
+                         elem_id="queue-table", label="Jobs (newest first; refreshes itself)")
+    with gr.Row():
+        job_id = gr.Textbox(label="Job id", elem_id="queue-job", scale=2)
+        cancel = gr.Button("Cancel", variant="stop", elem_id="queue-cancel", scale=1)
+        retry = gr.Button("Retry", elem_id="queue-retry", scale=1)
+    status = gr.HTML(elem_id="queue-status")
+
+    def rows():
+        try:
+            return views.job_rows(studio.jobs(limit=100))
+        except Exception as exc:
+            return gr.update(label=f"Jobs (could not list: {readable(exc)})")
+
+    timer.tick(rows, None, table, api_visibility="private", queue=False, show_progress="hidden")
+
+    def pick(evt: gr.SelectData):
+        row = evt.row_value if evt is not None else None
+        return str(row[0]) if row else gr.update()
+
+    table.select(pick, None, job_id, api_visibility="private")
+
+    def do_cancel(jid):
+        if not jid:
+            return error_html("enter or click a job first"), rows()
+        try:
+            job = studio.cancel(jid.strip())
+        except Exception as exc:
+            return error_html(readable(exc)), rows()
+        return ok_html(f"job {jid}: {job.get('status', 'cancelled') if isinstance(job, dict) else 'cancelled'}"), rows()
+
+    def do_retry(jid):
+        if not jid:
+            return error_html("enter or click a job first"), rows()
+        try:
+            old = studio.job(jid.strip())
+            new = studio.submit(old.get("kind") or "generate", old.get("params") or {}, old.get("adapters"),
+                                old.get("preset"), old.get("model"))
+        except Exception as exc:
+            return error_html(readable(exc)), rows()
+        return ok_html(f"job {jid} queued again as job {new['id']}"), rows()
+
+    cancel.click(do_cancel, job_id, [status, table], api_visibility="private")
+    retry.click(do_retry, job_id, [status, table], api_visibility="private")
+    return timer, rows, table

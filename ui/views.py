@@ -1,0 +1,255 @@
+"""Pure functions from the Studio facade's plain dicts to what the tabs display.
+
+No Gradio and no torch here: every rule about how a job, an adapter, a preset or
+the system is shown lives in this one module, so the tabs stay wiring only.
+"""
+from __future__ import annotations
+
+import html
+import json
+import logging
+from dataclasses import dataclass, field
+
+from backend.errors import StudioError
+
+log = logging.getLogger("lora_studio.ui")
+
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+# -- errors -----------------------------------------------------------------------------------
+def readable(exc: BaseException) -> str:
+    """One line for the user: the StudioError's own message, never a traceback."""
+    if isinstance(exc, StudioError):
+        return exc.message
+    log.exception("unexpected error in the UI", exc_info=exc)
+    text = str(exc).strip().splitlines()
+    return f"unexpected {type(exc).__name__}: {text[0] if text else 'no message'} (details in the server log)"
+
+
+def error_html(message: str) -> str:
+    return f'<div class="ls-error" role="alert">⚠ {html.escape(message)}</div>'
+
+
+def ok_html(message: str) -> str:
+    return f'<div class="ls-ok" role="status">{html.escape(message)}</div>'
+
+
+# -- models -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the Generate tab needs to know about one model."""
+
+    id: str
+    pipeline: str = ""
+    output: str = "image"  # "image" | "video" | "video+audio"
+    mode: str = "text-to-image"
+    fields: frozenset = frozenset()
+    defaults: dict = field(default_factory=dict)
+    denoisers: tuple = ("transformer",)
+    loaded: bool = False
+
+    @property
+    def is_video(self) -> bool:
+        return self.output.startswith("video")
+
+    @property
+    def two_stage(self) -> bool:
+        return len(self.denoisers) > 1
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelInfo":
+        return cls(id=d["id"], pipeline=d.get("pipeline") or "", output=d.get("output") or "image",
+                   mode=d.get("mode") or "text-to-image", fields=frozenset(d.get("fields") or ()),
+                   defaults=dict(d.get("defaults") or {}), denoisers=tuple(d.get("denoisers") or ("transformer",)),
+                   loaded=bool(d.get("loaded")))
+
+
+def mode_markdown(m: ModelInfo) -> str:
+    stages = " · two transformers (high noise → `transformer`, low noise → `transformer_2`)" if m.two_stage else ""
+    return f"**Mode:** {m.mode} · output: {m.output} · pipeline `{m.pipeline}`{stages}"
+
+
+# -- jobs -------------------------------------------------------------------------------------
+def job_fraction(job: dict) -> float:
+    prog = job.get("progress") or {}
+    step, total = prog.get("step") or 0, prog.get("total") or 0
+    if job.get("status") == "succeeded":
+        return 1.0
+    return min(1.0, step / total) if total else 0.0
+
+
+def job_line(job: dict) -> str:
+    status = job.get("status", "?")
+    prog = job.get("progress") or {}
+    if status == "queued":
+        pos = job.get("queue_position")
+        return f"queued · position {pos} in the queue" if pos else "queued"
+    if status == "running":
+        if prog.get("total"):
+            return f"running · step {prog.get('step') or 0}/{prog['total']}"
+        return "running · loading"
+    if status == "failed":
+        return f"failed · {job.get('error') or 'no reason given'}"
+    return status
+
+
+def progress_html(job: dict) -> str:
+    """The per-step progress bar; data-* attributes let the browser tests read it."""
+    prog = job.get("progress") or {}
+    pct = round(100 * job_fraction(job))
+    status = html.escape(str(job.get("status", "")))
+    cls = "ls-error" if status == "failed" else ""
+    return (f'<div class="ls-job {cls}" data-job="{html.escape(str(job.get("id", "")))}" data-status="{status}" '
+            f'data-step="{prog.get("step") or 0}" data-total="{prog.get("total") or 0}">'
+            f'<div class="ls-job-line">Job {html.escape(str(job.get("id", "")))} · {html.escape(job_line(job))}</div>'
+            f'<div class="ls-bar"><div class="ls-bar-fill" style="width:{pct}%"></div></div></div>')
+
+
+JOB_COLUMNS = ["id", "kind", "status", "progress", "queue", "model", "adapters", "preset", "created", "took", "error"]
+
+
+def _clock(ts) -> str:
+    if not ts:
+        return ""
+    import time
+
+    return time.strftime("%H:%M:%S", time.localtime(float(ts))) if isinstance(ts, (int, float)) else str(ts)[11:19]
+
+
+def _took(job: dict) -> str:
+    a, b = job.get("started_at"), job.get("finished_at")
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return f"{b - a:.1f}s"
+    return ""
+
+
+def adapters_label(adapters) -> str:
+    parts = []
+    for a in adapters or []:
+        scale = a.get("scale")
+        if isinstance(scale, dict):
+            scale = "/".join(f"{v:g}" for v in scale.values())
+        elif isinstance(scale, (int, float)):
+            scale = f"{scale:g}"
+        parts.append(f"{a.get('name')}@{scale}" if scale is not None else str(a.get("name")))
+    return ", ".join(parts)
+
+
+def job_rows(jobs: list[dict]) -> list[list]:
+    rows = []
+    for j in jobs:
+        prog = j.get("progress") or {}
+        rows.append([j.get("id"), j.get("kind"), j.get("status"),
+                     f"{prog.get('step') or 0}/{prog.get('total') or '?'}", j.get("queue_position") or "",
+                     j.get("model") or "", adapters_label(j.get("adapters")), j.get("preset") or "",
+                     _clock(j.get("created_at")), _took(j), (j.get("error") or "")[:120]])
+    return rows
+
+
+# -- adapters ---------------------------------------------------------------------------------
+ADAPTER_COLUMNS = ["name", "format", "rank", "alpha", "targets", "size", "sha256", "fit", "where", "pinned"]
+
+
+def human_bytes(n) -> str:
+    if not isinstance(n, (int, float)):
+        return ""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def fit_of(adapter: dict) -> tuple[bool, str]:
+    """(fits the loaded model, a short reason)."""
+    fit = adapter.get("fit")
+    if isinstance(fit, dict):
+        ok = bool(fit.get("ok", fit.get("fits", False)))
+        return ok, str(fit.get("summary") or fit.get("reason") or ("fits" if ok else "does not fit"))
+    if isinstance(fit, bool):
+        return fit, "fits" if fit else "does not fit"
+    return False, "fit unknown"
+
+
+def tiers_of(system: dict | None) -> dict[str, str]:
+    """adapter name -> the cache tier holding it now ("device" beats "cpu"), from system()."""
+    tiers = ((system or {}).get("lora_cache") or {}).get("tiers") or {}
+    where = {}
+    for tier in ("cpu", "device"):
+        for name in (tiers.get(tier) or {}).get("adapters") or []:
+            where[name] = tier
+    return where
+
+
+def adapter_rows(adapters: list[dict], where: dict[str, str] | None = None) -> list[list]:
+    rows = []
+    for a in adapters:
+        targets = a.get("targets") or a.get("target_modules") or ""
+        if isinstance(targets, (list, tuple)):
+            targets = ", ".join(map(str, targets[:6])) + (" …" if len(targets) > 6 else "")
+        ok, reason = fit_of(a)
+        size = a.get("size") if isinstance(a.get("size"), str) else human_bytes(a.get("size_bytes"))
+        rows.append([a.get("name"), a.get("format") or "", a.get("rank") or "", a.get("alpha") or "", targets,
+                     size, (a.get("sha256") or "")[:12], ("✓ " if ok else "✗ ") + reason,
+                     a.get("tier") or (where or {}).get(a.get("name"), "disk"),
+                     "pinned" if a.get("pinned") else ""])
+    return rows
+
+
+def adapter_choices(adapters: list[dict]) -> tuple[list[tuple[str, str]], str]:
+    """Dropdown choices (only adapters that fit) and a note listing the others with their reason."""
+    fit, unfit = [], []
+    for a in adapters:
+        ok, reason = fit_of(a)
+        (fit if ok else unfit).append((a["name"], reason))
+    choices = [(name, name) for name, _ in fit]
+    note = "".join(f'<li class="ls-unfit" title="{html.escape(r)}">{html.escape(n)} — {html.escape(r)}</li>'
+                   for n, r in unfit)
+    return choices, (f'<div class="ls-unfit-list">Not usable with this model:<ul>{note}</ul></div>' if note else "")
+
+
+# -- presets ----------------------------------------------------------------------------------
+def preset_cards_html(presets: list[dict], fused: dict | None = None) -> str:
+    active = (fused or {}).get("preset") if isinstance(fused, dict) else None
+    cards = []
+    for p in presets:
+        files = []
+        for f in p.get("files") or []:
+            pattern = f.get("pattern") or f.get("filename") or ""
+            if f.get("present"):
+                line = f'✓ present ({html.escape(str(f.get("where") or ""))}) <code>{html.escape(str(f.get("path")))}</code>'
+            else:
+                line = (f'✗ missing: <code>huggingface-cli download {html.escape(str(f.get("repo", "")))} '
+                        f'--include \'{html.escape(pattern)}\'</code>')
+            demo = f' · demo stand-in <code>{html.escape(str(f["demo"]))}</code>' if f.get("demo") else ""
+            files.append(f'<li class="{"ls-present" if f.get("present") else "ls-missing"}">'
+                         f'<b>{html.escape(str(f.get("component", "")))}</b>: {line}{demo}</li>')
+        defaults = ", ".join(f"{k}={v}" for k, v in (p.get("defaults") or {}).items())
+        reqs = ", ".join(f"{k}: {v}" for k, v in (p.get("requirements") or {}).items())
+        badge = ' <span class="ls-badge">fused now</span>' if p.get("id") == active else ""
+        ready = "ready" if p.get("ready") else "files missing (demo models use the stand-ins)"
+        cards.append(
+            f'<div class="ls-card" data-preset="{html.escape(str(p.get("id")))}">'
+            f'<h3>{html.escape(str(p.get("title") or p.get("id")))}{badge}</h3>'
+            f'<div><code>{html.escape(str(p.get("id")))}</code> · {html.escape(str(p.get("pipeline", "")))} · '
+            f'{html.escape(ready)}</div>'
+            f'<div>models: {html.escape(", ".join(p.get("models") or []))}</div>'
+            f'<ul>{"".join(files)}</ul>'
+            f'<div>sampling: {html.escape(defaults) or "—"}</div>'
+            f'<div>requires: {html.escape(reqs) or "—"}</div></div>')
+    return f'<div class="ls-cards">{"".join(cards)}</div>' if cards else "<p>No presets found.</p>"
+
+
+# -- gallery / metadata -----------------------------------------------------------------------
+def settings_from_metadata(meta: dict) -> dict:
+    """The Generate-tab values a result's metadata restores: model, fields, seed, adapters."""
+    params = dict(meta.get("params") or {})
+    params.setdefault("seed", meta.get("seed"))
+    adapters = [{"name": a.get("name"), "scale": a.get("scale", 1.0)} for a in meta.get("adapters") or []
+                if a.get("name")]
+    return {"model": meta.get("model"), "params": params, "adapters": adapters, "preset": meta.get("preset")}
+
+
+def pretty(obj) -> str:
+    return json.dumps(obj, indent=2, default=str)
