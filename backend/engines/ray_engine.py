@@ -213,6 +213,7 @@ class GenerationReplica:
         cancel = threading.Event()
         try:
             self._wanted[key] = job
+            before = dict(self.counts)
             slot = await self._slot(key)
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
@@ -222,7 +223,7 @@ class GenerationReplica:
                                                              "replica": self.identity["replica"],
                                                              "actor": self.identity["actor"]})
 
-            work = loop.run_in_executor(None, self._generate, slot, job, on_step, cancel)
+            work = loop.run_in_executor(None, self._generate, slot, job, on_step, cancel, before)
             work.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
             while (event := await queue.get()) is not None:
                 yield event
@@ -240,14 +241,16 @@ class GenerationReplica:
             cancel.set()  # a cancelled or abandoned request stops its generation at the next step
             self._wanted.pop(key, None)
 
-    def _generate(self, slot: _Slot, job: Job, on_step, cancel: threading.Event):
+    def _generate(self, slot: _Slot, job: Job, on_step, cancel: threading.Event, before: dict):
         with self.manager._lock:
             if self.manager.model_id != slot.model:  # another slot switched the model: bring this one back
                 self._ensure(slot.model, slot.adapters)
             self.counts["jobs"] += 1
             adapters = [(ref.request(), ref.scale) for ref in job.adapters]
             result = self.manager.generate(job.params, adapters=adapters, on_step=on_step, cancel=cancel)
-        result.metadata["engine"] = {"name": "ray", **self.identity, "slot_key": job.slot_key, **self.counts}
+        # Cumulative counters for this replica, and what this job itself cost (loads it caused).
+        result.metadata["engine"] = {"name": "ray", **self.identity, "slot_key": job.slot_key, **self.counts,
+                                     "this_job": {k: self.counts[k] - before[k] for k in self.counts if k != "jobs"}}
         return result
 
 
@@ -369,6 +372,16 @@ class RayEngine:
             raise StudioError("the Ray engine is not started", param="engine")
         parsed = Job.from_dict(job)
         return RayJob(parsed, self._handle.options(stream=True).remote(job, parsed.slot_key))
+
+    def replica_actor_name(self, replica: str) -> str:
+        """The Ray actor behind a replica id (as Progress/metadata report it), for ops tools."""
+        return f"SERVE_REPLICA::{self.config.app_name}#{GenerationReplica.name}#{replica}"
+
+    def replica_count(self) -> int:
+        """Replicas of the pool that are up now."""
+        app = serve.status().applications.get(self.config.app_name)
+        deployment = app.deployments.get(GenerationReplica.name) if app else None
+        return deployment.replica_states.get("RUNNING", 0) if deployment else 0
 
     def stop(self) -> None:
         if self._handle is None:
