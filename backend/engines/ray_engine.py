@@ -79,9 +79,10 @@ class Job:
         for i, a in enumerate(job.get("adapters") or []):
             if not a.get("name") or not a.get("path"):
                 raise InvalidParameter(f"adapters[{i}] needs 'name' and 'path'", param=f"adapters[{i}]")
-            refs.append(AdapterRef(name=a["name"], path=str(a["path"]),
-                                   sha256=a.get("sha256") or adapter_sha256(a["path"]),
-                                   scale=a.get("scale", 1.0), int_id=int(a.get("int_id") or i + 1)))
+            sha = a.get("sha256") or adapter_sha256(a["path"])
+            # No int_id given: derive it from the content, so one adapter has one id on every replica.
+            refs.append(AdapterRef(name=a["name"], path=str(a["path"]), sha256=sha, scale=a.get("scale", 1.0),
+                                   int_id=int(a.get("int_id") or int(sha[:7], 16) + 1)))
         return cls(id=str(job["id"]), model=job["model"], params=dict(job.get("params") or {}),
                    adapters=tuple(refs))
 
@@ -169,7 +170,7 @@ class AdapterHost:
             return
         with self.manager._lock:  # eviction runs in Serve's executor: never under a running generation
             for ref in adapters:
-                engine.unload(ref.name)
+                engine.unload(ref.int_id)
                 self.counts["adapter_unloads"] += 1
 
 
