@@ -37,7 +37,7 @@ def slot_keys(data_dir: str) -> list[tuple[str, list]]:
 
     demo.ensure(MODEL, data_dir)
     paths = demo_adapters.for_model(MODEL, data_dir)
-    return [(MODEL, [{"name": p.stem, "path": str(p), "scale": 1.0}]) for p in paths]
+    return [(MODEL, [])] + [(MODEL, [{"name": p.stem, "path": str(p), "scale": 1.0}]) for p in paths]
 
 
 def run_jobs(engine, jobs: list[dict], clients: int) -> tuple[float, list]:
@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--mixed-jobs", type=int, default=24)
+    ap.add_argument("--slots", type=int, default=2, help="slots per replica in the mixed run")
     args = ap.parse_args()
 
     import ray
@@ -103,17 +104,25 @@ def main() -> None:
     mixed = [{"id": f"m{i}", "model": keys[k][0], "adapters": keys[k][1],
               "params": {"prompt": "a fox", "seed": i, "num_inference_steps": 2}} for i, k in enumerate(order)]
     loads = {}
-    for multiplex in (True, False):
-        with engine(replicas=2, cpus_per_replica=1.0, slots_per_replica=1, multiplex=multiplex) as eng:
-            _, outcomes = run_jobs(eng, mixed, clients=2)
-            loads[multiplex] = sum(o.result.metadata["engine"]["this_job"]["slot_loads"] for o in outcomes)
-            print(f"multiplex={multiplex}: {len(mixed)} mixed jobs over {len(keys)} slots, "
-                  f"{loads[multiplex]} slot loads")
+    runs = ((1, False, 1), (1, True, 1), (2, False, 1), (2, True, 1), (2, True, 2))
+    for clients, multiplex, per_replica in runs:
+        with engine(replicas=2, cpus_per_replica=1.0, slots_per_replica=args.slots, multiplex=multiplex,
+                    jobs_per_replica=per_replica) as eng:
+            seconds, outcomes = run_jobs(eng, mixed, clients=clients)
+            costs = [o.result.metadata["engine"]["this_job"] for o in outcomes]
+            # weights read from disk: adapter loads, plus model (re)loads when slots are models
+            loads[clients, multiplex, per_replica] = sum(c["adapter_loads"] + c["model_loads"] for c in costs)
+            print(f"{clients} client(s), multiplex={multiplex}, jobs_per_replica={per_replica}: {len(mixed)} mixed "
+                  f"jobs over {len(keys)} slots ({args.slots} per replica): "
+                  f"{loads[clients, multiplex, per_replica]} loads, {seconds:.1f} s")
 
     print()
     print(f"throughput 2 vs 1 replicas:              {throughput[2] / throughput[1]:.2f}x")
-    print(f"slot loads, multiplexed vs not:          {loads[True]} / {loads[False]} = "
-          f"{loads[True] / max(loads[False], 1):.2f}x")
+    for clients, multiplex, per_replica in runs:
+        if multiplex:
+            base = loads[clients, False, 1]
+            print(f"loads, {clients} client(s), multiplexed (jobs_per_replica={per_replica}) vs not: "
+                  f"{loads[clients, True, per_replica]} / {base} = {loads[clients, True, per_replica] / max(base, 1):.2f}x")
     from ray import serve
 
     serve.shutdown()

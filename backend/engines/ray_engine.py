@@ -19,6 +19,7 @@ The driver-side API (what the server's dispatcher calls), a drop-in for the loca
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -33,8 +34,13 @@ import ray
 from ray import serve
 
 from .. import errors
-from ..errors import AdapterError, Cancelled, InvalidParameter, StudioError
+from ..errors import AdapterError, AdapterNotFound, Cancelled, InvalidParameter, StudioError
 from ..lora.request import LoRARequest
+
+try:  # the PEFT backend (backend.lora.attach) gives each replica per-request adapters
+    from ..lora import attach as _peft_attach
+except ImportError:
+    _peft_attach = None
 
 APP_NAME = "lora-studio"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +92,11 @@ class Job:
         return cls(id=str(job["id"]), model=job["model"], params=dict(job.get("params") or {}),
                    adapters=tuple(refs))
 
+    def to_dict(self) -> dict:
+        """What travels to the replica: adapters carry the head's sha256, never recomputed there."""
+        return {"id": self.id, "model": self.model, "params": self.params,
+                "adapters": [dataclasses.asdict(a) for a in self.adapters]}
+
 
 def adapter_sha256(path: str | os.PathLike) -> str:
     """sha256 of an adapter: the file, or for a PEFT folder its config + weights in name order."""
@@ -135,23 +146,33 @@ class _Slot:
 
 class AdapterHost:
     """Makes adapters resident on a replica's manager and frees them again; the one place that
-    talks to the PEFT engine. Verifies each node's copy of an adapter by sha256 before use."""
+    talks to the PEFT engine. Verifies each node's copy of an adapter by sha256 before use.
+    Slots can share an adapter, so residency is reference-counted per adapter id."""
 
-    def __init__(self, manager, counts: dict):
+    def __init__(self, manager, counts: dict, *, max_loras: int = 4, max_cpu_loras: int = 16):
         self.manager, self.counts = manager, counts
+        self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
         self._hashes: dict[tuple, str] = {}
+        self._refs: dict[int, int] = {}
+
+    def model_loaded(self) -> None:
+        """A (re)loaded model starts with a fresh PEFT engine and nothing resident."""
+        self._refs.clear()
+        if _peft_attach is not None:
+            _peft_attach(self.manager, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
 
     def verify(self, ref: AdapterRef) -> None:
         p = Path(ref.path)
+        node = ray.get_runtime_context().get_node_id()[:12]
         if not p.exists():
-            raise AdapterError(f"adapter {ref.name!r}: {p} is missing on node {ray.get_runtime_context().get_node_id()[:12]} "
+            raise AdapterError(f"adapter {ref.name!r}: {p} is missing on node {node} "
                                "(mount the adapter library on every node or copy it there)", param="path")
         stat = p.stat()
         key = (str(p), stat.st_mtime_ns, stat.st_size)
         if key not in self._hashes:
             self._hashes[key] = adapter_sha256(p)
         if self._hashes[key] != ref.sha256:
-            raise AdapterError(f"adapter {ref.name!r}: {p} on this node has sha256 {self._hashes[key][:16]}..., "
+            raise AdapterError(f"adapter {ref.name!r}: {p} on node {node} has sha256 {self._hashes[key][:16]}..., "
                                f"the job expects {ref.sha256[:16]}... (stale or partial copy)", param="path")
 
     def attach(self, adapters: tuple[AdapterRef, ...]) -> None:
@@ -160,21 +181,35 @@ class AdapterHost:
         if adapters and self.manager.lora_engine is None:
             raise StudioError("per-request LoRA adapters are not supported by this backend yet", param="adapters")
         with self.manager._lock:
-            for ref in adapters:
-                self.manager.lora_engine.load(ref.request())
-                self.counts["adapter_loads"] += 1
+            done = []
+            try:
+                for ref in adapters:
+                    self.manager.lora_engine.load(ref.request())  # read + convert + fit check, into the CPU tier
+                    self._refs[ref.int_id] = self._refs.get(ref.int_id, 0) + 1
+                    self.counts["adapter_loads"] += 1
+                    done.append(ref)
+            except BaseException:
+                self.release(tuple(done))  # a slot is resident whole or not at all
+                raise
 
     def release(self, adapters: tuple[AdapterRef, ...]) -> None:
-        engine = self.manager.lora_engine
-        if engine is None:
-            return
         with self.manager._lock:  # eviction runs in Serve's executor: never under a running generation
+            engine = self.manager.lora_engine
             for ref in adapters:
-                engine.unload(ref.int_id)
-                self.counts["adapter_unloads"] += 1
+                left = self._refs.get(ref.int_id, 0) - 1
+                if left > 0:
+                    self._refs[ref.int_id] = left
+                    continue
+                self._refs.pop(ref.int_id, None)
+                if engine is not None and left == 0:
+                    try:
+                        engine.unload(ref.int_id)
+                    except AdapterNotFound:  # the PEFT engine's own LRU dropped it already
+                        pass
+                    self.counts["adapter_unloads"] += 1
 
 
-@serve.deployment(max_ongoing_requests=1)  # one job per device at a time; the queue stays at the front
+@serve.deployment
 class GenerationReplica:
     def __init__(self, settings: dict):
         from ..manager import PipelineManager
@@ -186,7 +221,8 @@ class GenerationReplica:
                          "actor": context.get_actor_name(), "node": context.get_node_id(),
                          "device": str(self.manager.device)}
         self.counts = {"jobs": 0, "slot_loads": 0, "model_loads": 0, "adapter_loads": 0, "adapter_unloads": 0}
-        self.host = AdapterHost(self.manager, self.counts)
+        self.host = AdapterHost(self.manager, self.counts, max_loras=int(settings.get("max_loras", 4)),
+                                max_cpu_loras=int(settings.get("max_cpu_loras", 16)))
         self._wanted: dict[str, Job] = {}
 
         async def load_slot(key: str) -> _Slot:
@@ -205,6 +241,7 @@ class GenerationReplica:
         with self.manager._lock:
             if self.manager.model_id != model:
                 self.manager.load(model)
+                self.host.model_loaded()
                 self.counts["model_loads"] += 1
             self.host.attach(adapters)
 
@@ -221,8 +258,7 @@ class GenerationReplica:
 
             def on_step(step: int, total: int) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, {"type": "progress", "step": step, "total": total,
-                                                             "replica": self.identity["replica"],
-                                                             "actor": self.identity["actor"]})
+                                                             "replica": self.identity["replica"]})
 
             work = loop.run_in_executor(None, self._generate, slot, job, on_step, cancel, before)
             work.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
@@ -249,9 +285,11 @@ class GenerationReplica:
             self.counts["jobs"] += 1
             adapters = [(ref.request(), ref.scale) for ref in job.adapters]
             result = self.manager.generate(job.params, adapters=adapters, on_step=on_step, cancel=cancel)
+            resident = [e.name for e in self.manager.lora_engine.loaded()] if self.manager.lora_engine else []
         # Cumulative counters for this replica, and what this job itself cost (loads it caused).
         result.metadata["engine"] = {"name": "ray", **self.identity, "slot_key": job.slot_key, **self.counts,
-                                     "this_job": {k: self.counts[k] - before[k] for k in self.counts if k != "jobs"}}
+                                     "this_job": {k: self.counts[k] - before[k] for k in self.counts if k != "jobs"},
+                                     "resident_adapters": sorted(resident)}
         return result
 
 
@@ -279,7 +317,13 @@ class RayEngineConfig:
     gpus_per_replica: float = 0.0
     cpus_per_replica: float = 1.0
     slots_per_replica: int = 4  # model + adapter-set slots each replica keeps resident (LRU)
+    max_loras: int = 4  # the PEFT engine's tiers on each replica (as --max-loras / --max-cpu-loras)
+    max_cpu_loras: int = 16
     multiplex: bool = True  # False routes without regard to slots (the benchmark's baseline)
+    # Jobs a replica accepts at once (it runs one; the rest wait there). 1 keeps every waiting job
+    # in the front queue; 2 lets a job wait for the busy replica that holds its slot instead of
+    # spilling to another replica that must load it (fewer loads under concurrent load).
+    jobs_per_replica: int = 1
     device: str | None = None
     dtype: str | None = None
     data_dir: str | None = None
@@ -319,9 +363,13 @@ class RayJob:
         except Exception as exc:  # the replica died, or the request was cancelled
             if self._cancelled.is_set():
                 yield Outcome("cancelled", error=Cancelled("job cancelled"), replica=self.replica)
-            else:
+            elif isinstance(exc, ray.exceptions.RayActorError):
                 where = f"replica {self.replica}" if self.replica else "the Ray replica"
                 yield Outcome("failed", error=StudioError(f"{where} died mid-job: {_first_line(exc)}"),
+                              replica=self.replica)
+            else:
+                yield Outcome("failed", error=StudioError(f"the Ray engine failed the job: "
+                                                          f"{type(exc).__name__}: {_first_line(exc)}"),
                               replica=self.replica)
             return
         yield Outcome("failed", error=StudioError("the Ray replica closed the job's stream without a result"))
@@ -362,8 +410,10 @@ class RayEngine:
         actor = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica,
                  "runtime_env": {"env_vars": env}}
         settings = {"device": cfg.device, "dtype": cfg.dtype, "data_dir": cfg.data_dir,
-                    "slots_per_replica": cfg.slots_per_replica}
-        replicas = GenerationReplica.options(num_replicas=cfg.replicas, ray_actor_options=actor).bind(settings)
+                    "slots_per_replica": cfg.slots_per_replica, "max_loras": cfg.max_loras,
+                    "max_cpu_loras": cfg.max_cpu_loras}
+        replicas = GenerationReplica.options(num_replicas=cfg.replicas, ray_actor_options=actor,
+                                             max_ongoing_requests=cfg.jobs_per_replica).bind(settings)
         router = JobRouter.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
         self._handle = serve.run(router.bind(replicas, cfg.multiplex), name=cfg.app_name, route_prefix=None)
         return self
@@ -372,7 +422,7 @@ class RayEngine:
         if self._handle is None:
             raise StudioError("the Ray engine is not started", param="engine")
         parsed = Job.from_dict(job)
-        return RayJob(parsed, self._handle.options(stream=True).remote(job, parsed.slot_key))
+        return RayJob(parsed, self._handle.options(stream=True).remote(parsed.to_dict(), parsed.slot_key))
 
     def replica_actor_name(self, replica: str) -> str:
         """The Ray actor behind a replica id (as Progress/metadata report it), for ops tools."""
