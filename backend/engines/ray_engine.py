@@ -1,0 +1,480 @@
+"""Ray Serve engine: the job queue's work carried by a pool of replicas, each owning one
+``backend.manager.PipelineManager`` on its own device (the same code the local worker runs).
+
+Routing is Ray Serve model multiplexing. A job's *slot key* names what must be resident to
+run it (the model and its adapter set); the ingress forwards each job through a handle with
+``multiplexed_model_id=<slot key>``, so Serve sends it to a replica that already holds that
+slot. Each replica keeps ``slots_per_replica`` slots (``@serve.multiplexed`` LRU); when Serve
+evicts one, the slot's adapters are freed on the device.
+
+The driver-side API (what the server's dispatcher calls), a drop-in for the local worker::
+
+    engine = RayEngine(RayEngineConfig(replicas=2)); engine.start()
+    run = engine.submit({"id": "j1", "model": "demo:sd3.5", "params": {...}, "adapters": [...]})
+    for event in run.events():       # Progress(step, total, replica) ..., then one Outcome
+        ...
+    run.cancel()                     # from any thread; the replica stops at the next step
+    engine.stop()
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import ray
+from ray import serve
+
+from .. import errors
+from ..errors import AdapterError, AdapterNotFound, Cancelled, InvalidParameter, StudioError
+from ..lora.request import LoRARequest
+
+try:  # the PEFT backend (backend.lora.attach) gives each replica per-request adapters
+    from ..lora import attach as _peft_attach
+except ImportError:
+    _peft_attach = None
+
+APP_NAME = "lora-studio"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- jobs and their slot keys --------------------------------------------------------------------
+@dataclass(frozen=True)
+class AdapterRef:
+    """One adapter a job names, with the sha256 every node checks its own copy against."""
+
+    name: str
+    path: str
+    sha256: str
+    scale: Any = 1.0  # float, or {"transformer": s, "transformer_2": s2}
+    int_id: int = 1
+
+    def request(self) -> LoRARequest:
+        return LoRARequest(lora_name=self.name, lora_int_id=self.int_id, lora_path=self.path)
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    model: str
+    params: dict
+    adapters: tuple[AdapterRef, ...] = ()
+
+    @property
+    def slot_key(self) -> str:
+        """The multiplex key: model + the set of adapters (by content) that must be resident.
+        Scales are not part of it: they apply per request to an already resident adapter."""
+        names = ",".join(f"{a.name}@{a.sha256[:16]}" for a in sorted(self.adapters, key=lambda a: a.name))
+        return f"{self.model}|{names}"
+
+    @classmethod
+    def from_dict(cls, job: dict) -> "Job":
+        """A job row (as the queue stores it) -> Job; hashes adapter files that carry no sha256."""
+        for name in ("id", "model"):
+            if not job.get(name):
+                raise InvalidParameter(f"job is missing {name!r}", param=name)
+        refs = []
+        for i, a in enumerate(job.get("adapters") or []):
+            if not a.get("name") or not a.get("path"):
+                raise InvalidParameter(f"adapters[{i}] needs 'name' and 'path'", param=f"adapters[{i}]")
+            sha = a.get("sha256") or adapter_sha256(a["path"])
+            # No int_id given: derive it from the content, so one adapter has one id on every replica.
+            refs.append(AdapterRef(name=a["name"], path=str(a["path"]), sha256=sha, scale=a.get("scale", 1.0),
+                                   int_id=int(a.get("int_id") or int(sha[:7], 16) + 1)))
+        return cls(id=str(job["id"]), model=job["model"], params=dict(job.get("params") or {}),
+                   adapters=tuple(refs))
+
+    def to_dict(self) -> dict:
+        """What travels to the replica: adapters carry the head's sha256, never recomputed there."""
+        return {"id": self.id, "model": self.model, "params": self.params,
+                "adapters": [dataclasses.asdict(a) for a in self.adapters]}
+
+
+def adapter_sha256(path: str | os.PathLike) -> str:
+    """sha256 of an adapter: the file, or for a PEFT folder its config + weights in name order."""
+    p = Path(path)
+    if not p.exists():
+        raise AdapterError(f"adapter path {p} does not exist", param="path")
+    files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
+    digest = hashlib.sha256()
+    for f in files:
+        if p.is_dir():
+            digest.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+# -- driver-side events ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    total: int
+    replica: str
+
+
+@dataclass
+class Outcome:
+    status: str  # "succeeded" | "failed" | "cancelled"
+    result: Any = None  # backend.manager.GenerationResult when succeeded
+    error: StudioError | None = None
+    replica: str | None = None
+
+
+# -- the replica: one PipelineManager, a multiplexed LRU of slots --------------------------------------
+class _Slot:
+    """What one slot key keeps resident on a replica. Serve calls ``__del__`` on eviction."""
+
+    def __init__(self, host: "AdapterHost", model: str, adapters: tuple[AdapterRef, ...]):
+        self.host, self.model, self.adapters = host, model, adapters
+        self.released = False
+
+    def __del__(self):
+        if not self.released:
+            self.released = True
+            self.host.release(self.adapters)
+
+
+class AdapterHost:
+    """Makes adapters resident on a replica's manager and frees them again; the one place that
+    talks to the PEFT engine. Verifies each node's copy of an adapter by sha256 before use.
+    Slots can share an adapter, so residency is reference-counted per adapter id."""
+
+    def __init__(self, manager, counts: dict, *, max_loras: int = 4, max_cpu_loras: int = 16):
+        self.manager, self.counts = manager, counts
+        self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
+        self._hashes: dict[tuple, str] = {}
+        self._refs: dict[int, int] = {}
+
+    def model_loaded(self) -> None:
+        """A (re)loaded model starts with a fresh PEFT engine and nothing resident."""
+        self._refs.clear()
+        if _peft_attach is not None:
+            _peft_attach(self.manager, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
+
+    def verify(self, ref: AdapterRef) -> None:
+        p = Path(ref.path)
+        node = ray.get_runtime_context().get_node_id()[:12]
+        if not p.exists():
+            raise AdapterError(f"adapter {ref.name!r}: {p} is missing on node {node} "
+                               "(mount the adapter library on every node or copy it there)", param="path")
+        stat = p.stat()
+        key = (str(p), stat.st_mtime_ns, stat.st_size)
+        if key not in self._hashes:
+            self._hashes[key] = adapter_sha256(p)
+        if self._hashes[key] != ref.sha256:
+            raise AdapterError(f"adapter {ref.name!r}: {p} on node {node} has sha256 {self._hashes[key][:16]}..., "
+                               f"the job expects {ref.sha256[:16]}... (stale or partial copy)", param="path")
+
+    def attach(self, adapters: tuple[AdapterRef, ...]) -> None:
+        for ref in adapters:
+            self.verify(ref)
+        if adapters and self.manager.lora_engine is None:
+            raise StudioError("per-request LoRA adapters are not supported by this backend yet", param="adapters")
+        with self.manager._lock:
+            done = []
+            try:
+                for ref in adapters:
+                    self.manager.lora_engine.load(ref.request())  # read + convert + fit check, into the CPU tier
+                    self._refs[ref.int_id] = self._refs.get(ref.int_id, 0) + 1
+                    self.counts["adapter_loads"] += 1
+                    done.append(ref)
+            except BaseException:
+                self.release(tuple(done))  # a slot is resident whole or not at all
+                raise
+
+    def release(self, adapters: tuple[AdapterRef, ...]) -> None:
+        with self.manager._lock:  # eviction runs in Serve's executor: never under a running generation
+            engine = self.manager.lora_engine
+            for ref in adapters:
+                left = self._refs.get(ref.int_id, 0) - 1
+                if left > 0:
+                    self._refs[ref.int_id] = left
+                    continue
+                self._refs.pop(ref.int_id, None)
+                if engine is not None and left == 0:
+                    try:
+                        engine.unload(ref.int_id)
+                    except AdapterNotFound:  # the PEFT engine's own LRU dropped it already
+                        pass
+                    self.counts["adapter_unloads"] += 1
+
+
+@serve.deployment
+class GenerationReplica:
+    def __init__(self, settings: dict):
+        from ..manager import PipelineManager
+
+        self.manager = PipelineManager(device=settings.get("device"), dtype=settings.get("dtype"),
+                                       data_dir=settings.get("data_dir"))
+        context = ray.get_runtime_context()
+        self.identity = {"replica": serve.get_replica_context().replica_id.unique_id,
+                         "actor": context.get_actor_name(), "node": context.get_node_id(),
+                         "device": str(self.manager.device)}
+        self.counts = {"jobs": 0, "slot_loads": 0, "model_loads": 0, "adapter_loads": 0, "adapter_unloads": 0}
+        self.host = AdapterHost(self.manager, self.counts, max_loras=int(settings.get("max_loras", 4)),
+                                max_cpu_loras=int(settings.get("max_cpu_loras", 16)))
+        self._wanted: dict[str, Job] = {}
+
+        async def load_slot(key: str) -> _Slot:
+            job = self._wanted[key]
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self._ensure, job.model, job.adapters)
+            self.counts["slot_loads"] += 1
+            return _Slot(self.host, job.model, job.adapters)
+
+        # Wired here (not as a class decorator) so the per-replica slot count is a deployment setting.
+        self._slot = serve.multiplexed(max_num_models_per_replica=int(settings.get("slots_per_replica", 4)))(load_slot)
+
+    def _ensure(self, model: str, adapters=()) -> None:
+        """Load the model if this replica holds another one (a slot of a different model was used
+        since), then attach the adapters."""
+        with self.manager._lock:
+            if self.manager.model_id != model:
+                self.manager.load(model)
+                self.host.model_loaded()
+                self.counts["model_loads"] += 1
+            self.host.attach(adapters)
+
+    async def run(self, job_dict: dict, key: str):
+        """Stream {"type": "progress"} events, then one {"type": "result"} or {"type": "error"}."""
+        job = Job.from_dict(job_dict)
+        cancel = threading.Event()
+        try:
+            self._wanted[key] = job
+            before = dict(self.counts)
+            slot = await self._slot(key)
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+
+            def on_step(step: int, total: int) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, {"type": "progress", "step": step, "total": total,
+                                                             "replica": self.identity["replica"]})
+
+            work = loop.run_in_executor(None, self._generate, slot, job, on_step, cancel, before)
+            work.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+            while (event := await queue.get()) is not None:
+                yield event
+            result = work.result()
+            yield {"type": "result", "images": result.images, "frames": result.frames, "fps": result.fps,
+                   "audio": result.audio, "metadata": result.metadata}
+        except StudioError as exc:
+            yield {"type": "error", "error_type": type(exc).__name__, "message": exc.message, "param": exc.param,
+                   "replica": self.identity["replica"]}
+        except Exception as exc:  # a library failure: report it as this job's, the replica lives on
+            yield {"type": "error", "error_type": "StudioError", "param": None, "replica": self.identity["replica"],
+                   "message": f"generation failed on replica {self.identity['replica']}: "
+                              f"{type(exc).__name__}: {_first_line(exc)}"}
+        finally:
+            cancel.set()  # a cancelled or abandoned request stops its generation at the next step
+            self._wanted.pop(key, None)
+
+    def _generate(self, slot: _Slot, job: Job, on_step, cancel: threading.Event, before: dict):
+        with self.manager._lock:
+            if self.manager.model_id != slot.model:  # another slot switched the model: bring this one back
+                self._ensure(slot.model, slot.adapters)
+            self.counts["jobs"] += 1
+            adapters = [(ref.request(), ref.scale) for ref in job.adapters]
+            result = self.manager.generate(job.params, adapters=adapters, on_step=on_step, cancel=cancel)
+            resident = [e.name for e in self.manager.lora_engine.loaded()] if self.manager.lora_engine else []
+        # Cumulative counters for this replica, and what this job itself cost (loads it caused).
+        result.metadata["engine"] = {"name": "ray", **self.identity, "slot_key": job.slot_key, **self.counts,
+                                     "this_job": {k: self.counts[k] - before[k] for k in self.counts if k != "jobs"},
+                                     "resident_adapters": sorted(resident)}
+        return result
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+class JobRouter:
+    """The app's ingress: forwards each job to the replica pool through a handle, multiplexed by
+    slot key (Serve multiplexes on a downstream deployment called through a handle)."""
+
+    def __init__(self, replicas, multiplex: bool = True):
+        self.replicas, self.multiplex = replicas, multiplex
+
+    async def __call__(self, job_dict: dict, key: str):
+        options = {"stream": True}
+        if self.multiplex:
+            options["multiplexed_model_id"] = key
+        async for event in self.replicas.options(**options).run.remote(job_dict, key):
+            yield event
+
+
+# -- the driver side ------------------------------------------------------------------------------
+@dataclass
+class RayEngineConfig:
+    address: str | None = None  # None: start a private local cluster inside this process
+    replicas: int = 1
+    gpus_per_replica: float = 0.0
+    cpus_per_replica: float = 1.0
+    slots_per_replica: int = 4  # model + adapter-set slots each replica keeps resident (LRU)
+    max_loras: int = 4  # the PEFT engine's tiers on each replica (as --max-loras / --max-cpu-loras)
+    max_cpu_loras: int = 16
+    multiplex: bool = True  # False routes without regard to slots (the benchmark's baseline)
+    # Jobs a replica accepts at once (it runs one; the rest wait there). 1 keeps every waiting job
+    # in the front queue; 2 lets a job wait for the busy replica that holds its slot instead of
+    # spilling to another replica that must load it (fewer loads under concurrent load).
+    jobs_per_replica: int = 1
+    device: str | None = None
+    dtype: str | None = None
+    data_dir: str | None = None
+    num_cpus: int | None = None  # local cluster only
+    app_name: str = APP_NAME
+    env: dict = field(default_factory=dict)  # extra environment for replicas
+
+
+class RayJob:
+    """One submitted job: iterate ``events()`` for progress and the outcome; ``cancel()`` anywhere."""
+
+    def __init__(self, job: Job, stream):
+        self.job, self._stream = job, stream
+        self._cancelled = threading.Event()
+        self.replica: str | None = None
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._stream.cancel()
+
+    def events(self) -> Iterator[Progress | Outcome]:
+        try:
+            for event in self._stream:
+                if event["type"] == "progress":
+                    self.replica = event["replica"]
+                    yield Progress(event["step"], event["total"], event["replica"])
+                elif event["type"] == "result":
+                    from ..manager import GenerationResult
+
+                    result = GenerationResult(images=event["images"], frames=event["frames"], fps=event["fps"],
+                                              audio=event["audio"], metadata=event["metadata"])
+                    yield Outcome("succeeded", result=result, replica=event["metadata"]["engine"]["replica"])
+                    return
+                else:
+                    yield self._error(event)
+                    return
+        except Exception as exc:  # the replica died, or the request was cancelled
+            if self._cancelled.is_set():
+                yield Outcome("cancelled", error=Cancelled("job cancelled"), replica=self.replica)
+            elif isinstance(exc, ray.exceptions.RayActorError):
+                where = f"replica {self.replica}" if self.replica else "the Ray replica"
+                yield Outcome("failed", error=StudioError(f"{where} died mid-job: {_first_line(exc)}"),
+                              replica=self.replica)
+            else:
+                yield Outcome("failed", error=StudioError(f"the Ray engine failed the job: "
+                                                          f"{type(exc).__name__}: {_first_line(exc)}"),
+                              replica=self.replica)
+            return
+        yield Outcome("failed", error=StudioError("the Ray replica closed the job's stream without a result"))
+
+    def _error(self, event: dict) -> Outcome:
+        cls = getattr(errors, event["error_type"], StudioError)
+        cls = cls if isinstance(cls, type) and issubclass(cls, StudioError) else StudioError
+        error = cls(event["message"], param=event["param"])
+        status = "cancelled" if isinstance(error, Cancelled) else "failed"
+        return Outcome(status, error=error, replica=event.get("replica"))
+
+    def wait(self, on_progress=None) -> Outcome:
+        for event in self.events():
+            if isinstance(event, Outcome):
+                return event
+            if on_progress is not None:
+                on_progress(event)
+        raise AssertionError("events() always ends with an Outcome")
+
+
+class RayEngine:
+    def __init__(self, config: RayEngineConfig | None = None):
+        self.config = config or RayEngineConfig()
+        self._handle = None
+        self._owns_ray = False
+
+    def start(self) -> "RayEngine":
+        cfg = self.config
+        if not ray.is_initialized():
+            if cfg.address:
+                ray.init(address=cfg.address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False)
+                self._owns_ray = True
+        serve.start(proxy_location="Disabled")  # jobs arrive through the handle, never over Serve's HTTP
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               **({"LORA_STUDIO_HOME": str(cfg.data_dir)} if cfg.data_dir else {}), **cfg.env}
+        actor = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica,
+                 "runtime_env": {"env_vars": env}}
+        settings = {"device": cfg.device, "dtype": cfg.dtype, "data_dir": cfg.data_dir,
+                    "slots_per_replica": cfg.slots_per_replica, "max_loras": cfg.max_loras,
+                    "max_cpu_loras": cfg.max_cpu_loras}
+        replicas = GenerationReplica.options(num_replicas=cfg.replicas, ray_actor_options=actor,
+                                             max_ongoing_requests=cfg.jobs_per_replica).bind(settings)
+        router = JobRouter.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
+        self._handle = serve.run(router.bind(replicas, cfg.multiplex), name=cfg.app_name, route_prefix=None)
+        return self
+
+    def submit(self, job: dict) -> RayJob:
+        if self._handle is None:
+            raise StudioError("the Ray engine is not started", param="engine")
+        parsed = Job.from_dict(job)
+        return RayJob(parsed, self._handle.options(stream=True).remote(parsed.to_dict(), parsed.slot_key))
+
+    def replica_actor_name(self, replica: str) -> str:
+        """The Ray actor behind a replica id (as Progress/metadata report it), for ops tools."""
+        return f"SERVE_REPLICA::{self.config.app_name}#{GenerationReplica.name}#{replica}"
+
+    def replica_count(self) -> int:
+        """Replicas of the pool that are up now."""
+        app = serve.status().applications.get(self.config.app_name)
+        deployment = app.deployments.get(GenerationReplica.name) if app else None
+        return deployment.replica_states.get("RUNNING", 0) if deployment else 0
+
+    def stop(self) -> None:
+        if self._handle is None:
+            return
+        self._handle = None
+        serve.delete(self.config.app_name)
+        if self._owns_ray:
+            serve.shutdown()
+            ray.shutdown()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# -- `python app.py ray-up`: a one-machine cluster -------------------------------------------------------
+def ray_up(*, port: int = 6379, num_cpus: int | None = None, num_gpus: int | None = None) -> str:
+    """Start a Ray head node on this machine (``ray start --head``); returns the address to
+    pass as ``--ray-address``. Other machines join with ``ray start --address=<it>``."""
+    cmd = [_ray_cli(), "start", "--head", f"--port={port}", "--disable-usage-stats", "--include-dashboard=false"]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    if num_gpus is not None:
+        cmd.append(f"--num-gpus={num_gpus}")
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise StudioError(f"`{' '.join(cmd)}` failed: {_first_line(Exception(done.stderr or done.stdout))}",
+                          param="ray-up")
+    return f"127.0.0.1:{port}"
+
+
+def ray_down() -> None:
+    subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True, check=False)
+
+
+def _ray_cli() -> str:
+    local = Path(sys.executable).with_name("ray")  # the venv's own `ray`, even when not on PATH
+    return str(local) if local.exists() else (shutil.which("ray") or "ray")
