@@ -122,8 +122,13 @@ def cmd_generate(args) -> int:
     omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
                 lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
                 data_dir=args.data_dir, adapter_dirs=args.adapter_dir)
+    if args.preset:
+        omni.apply_preset(args.preset)  # fuses its files; its sampling defaults fill unset flags
     fields = {field: getattr(args, flag) for flag, field in GENERATION_FLAGS.items()
               if getattr(args, flag) is not None}
+    if args.lora_backend == "peft" and args.lora_path:  # one-shot CLI: use what was pre-loaded
+        fields["lora_request"] = list(omni.lora.preloaded)
+        fields["lora_scale"] = [args.lora_scale] * len(omni.lora.preloaded)
     bars = []
 
     def on_step(step, total):
@@ -201,11 +206,27 @@ def _share_when_listening(host: str, port: int, auth: str) -> None:
     threading.Thread(target=tunnel, name="share-tunnel", daemon=True).start()
 
 
+def cmd_adapters(args) -> int:
+    from backend.lora import list_adapters
+    from backend.lora.library import format_rows
+
+    rows = list_adapters(args.model, args.adapter_dir, args.data_dir)
+    print(format_rows(rows) if rows else "no adapters found in the library roots")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from backend.presets import format_rows, list_presets
+
+    print(format_rows(list_presets(args.data_dir, args.adapter_dir)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     from backend.errors import StudioError
 
-    handlers = {"generate": cmd_generate, "serve": cmd_serve}
+    handlers = {"generate": cmd_generate, "serve": cmd_serve, "adapters": cmd_adapters, "presets": cmd_presets}
     try:
         return handlers[args.command](args)
     except StudioError as exc:
