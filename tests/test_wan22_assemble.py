@@ -199,14 +199,29 @@ def test_printed_command_runs(step2, work, image):
     assert video.is_file() and video.stat().st_size > 0
 
 
+def hf_snapshot(skeleton: Path, repo: Path) -> Path:
+    """The skeleton laid out like a Hugging Face cache entry: snapshot files are relative
+    symlinks into blobs/."""
+    snapshot = repo / "snapshots" / "0123abc"
+    for i, src in enumerate(sorted(p for p in skeleton.rglob("*") if p.is_file())):
+        blob = repo / "blobs" / f"blob{i:03d}"
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, blob)
+        link = snapshot / src.relative_to(skeleton)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return snapshot
+
+
 def test_copy_mode_sharded_and_single_file(work, skeleton, sharded, lightx2v_out):
+    snapshot = hf_snapshot(skeleton, work / "hub" / "models--Wan-AI--Wan2.2-I2V-A14B-Diffusers")
     out = work / "nested" / "copied"  # missing parents are created
     low_file = lightx2v_out / "low_noise_out" / WEIGHTS
-    proc = assemble("--diffusers-skeleton", skeleton, "--transformer-weight", sharded / f"{WEIGHTS}.index.json",
+    proc = assemble("--diffusers-skeleton", snapshot, "--transformer-weight", sharded / f"{WEIGHTS}.index.json",
                     "--transformer-2-weight", low_file, "--output-dir", out, "--asset-mode", "copy")
     assert proc.returncode == 0, proc.stderr
     links = [p for p in out.rglob("*") if p.is_symlink()]
-    assert links == []  # self-contained
+    assert links == []  # self-contained: the snapshot's links were followed
     index = json.loads((out / "transformer" / f"{WEIGHTS}.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) == len(list(sharded.glob("*.safetensors"))) > 1
