@@ -279,6 +279,9 @@ def test_per_request_adapter_on_a_fused_base_restores_to_the_fused_state(manager
         assert np.abs(pixels(m.generate(req)) - fused).mean() > 1.0
         with pytest.raises(StudioError, match="per-request LoRA layers are loaded on transformer"):
             m.fuse([distill])  # refuses rather than mixing them into the fused base
+        with pytest.raises(StudioError, match="cannot restore the base: per-request LoRA layers"):
+            m.restore_base()
+        assert m.fused_state()["state"] == "fused"
     finally:
         m.pipeline.delete_adapters("style")
         m.pipeline.unload_lora_weights()
