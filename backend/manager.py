@@ -6,6 +6,7 @@ the LoRA engine the PEFT backend attaches) activating adapters for a request.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import threading
@@ -201,13 +202,21 @@ class PipelineManager:
                 preset = match_files(self.spec.class_name, paths)
             if self.fused_base is None:
                 self.fused_base = FusedBase(self.pipeline, self.spec.class_name, self.denoisers(), self.model_path)
-            return self.fused_base.fuse(paths, scales, preset=preset).as_dict()
+            with self._rebased():
+                return self.fused_base.fuse(paths, scales, preset=preset).as_dict()
 
     def restore_base(self) -> None:
         """Back to the exact base weights, without reloading anything."""
         with self._lock:
             if self.fused_base is not None:
-                self.fused_base.restore()
+                with self._rebased():
+                    self.fused_base.restore()
+
+    def _rebased(self):
+        """Per-request adapters come off around a fuse/restore, and then treat the result as base."""
+        if self.lora_engine is None:
+            return contextlib.nullcontext()
+        return self.lora_engine.rebase()
 
     def fused_state(self) -> dict:
         """``{"state": "base"}`` or ``{"state": "fused", "files", "scales", "checksums", ...}``."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .demo import DEFAULT_MODEL
-from .errors import InvalidParameter, StudioError
+from .errors import InvalidParameter
 from .lora.request import LoRARequest
 from .manager import GenerationResult, PipelineManager
 from .outputs import save_result
@@ -51,12 +51,13 @@ class Omni:
         self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir)
         self.manager.load(model)
         self.model = model
-        if lora_path and lora_backend == "distill":
-            # fused once, here; later generate() calls need no LoRARequest
-            self.manager.fuse(lora_path, self.lora_scale)
-        elif lora_path:
-            raise StudioError(f"lora_path with lora_backend={lora_backend!r} is not supported yet",
-                              param="lora_path")
+        from .lora import attach
+
+        # per-request adapters on both backends; with peft, lora_path is pre-loaded and pinned
+        self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+                           preload=lora_path if lora_backend == "peft" else None)
+        if lora_backend == "distill" and lora_path:
+            self.manager.fuse(lora_path, self.lora_scale)  # fused once, here; no LoRARequest needed later
 
     def apply_preset(self, preset_id: str) -> dict:
         """Fuse a distill preset's files (adapter dirs, then the HF cache) and use its defaults."""
