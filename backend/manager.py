@@ -6,6 +6,7 @@ the LoRA engine the PEFT backend attaches) activating adapters for a request.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import threading
@@ -214,20 +215,21 @@ class PipelineManager:
                 preset = match_files(self.spec.class_name, paths)
             if self.fused_base is None:
                 self.fused_base = FusedBase(self.pipeline, self.spec.class_name, self.denoisers(), self.model_path)
-            return self.fused_base.fuse(paths, scales, preset=preset).as_dict()
+            with self._rebased():
+                return self.fused_base.fuse(paths, scales, preset=preset).as_dict()
 
     def restore_base(self) -> None:
         """Back to the exact base weights, without reloading anything."""
         with self._lock:
             if self.fused_base is not None:
-                with self._lora_rebase():
+                with self._rebased():
                     self.fused_base.restore()
 
-    def _lora_rebase(self):
-        """Per-request adapters come off while the base changes, then treat it as pristine."""
-        import contextlib
-
-        return self.lora_engine.rebase() if self.lora_engine is not None else contextlib.nullcontext()
+    def _rebased(self):
+        """Per-request adapters come off around a fuse/restore, and then treat the result as base."""
+        if self.lora_engine is None:
+            return contextlib.nullcontext()
+        return self.lora_engine.rebase()
 
     def fused_state(self) -> dict:
         """``{"state": "base"}`` or ``{"state": "fused", "files", "scales", "checksums", ...}``."""

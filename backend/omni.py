@@ -51,15 +51,13 @@ class Omni:
         self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir)
         self.manager.load(model)
         self.model = model
-        if lora_backend == "distill" and lora_path:
-            # fused once, here; later generate() calls need no LoRARequest
-            self.manager.fuse(lora_path, self.lora_scale)
-        # Per-request adapters work on either backend (on top of a fused base they restore to
-        # the fused weights); with peft, lora_path is pre-loaded and pinned.
         from .lora import attach
 
+        # per-request adapters on both backends; with peft, lora_path is pre-loaded and pinned
         self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
                            preload=lora_path if lora_backend == "peft" else None)
+        if lora_backend == "distill" and lora_path:
+            self.manager.fuse(lora_path, self.lora_scale)  # fused once, here; no LoRARequest needed later
 
     def apply_preset(self, preset_id: str) -> dict:
         """Fuse a distill preset's files (adapter dirs, then the HF cache) and use its defaults."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import AdapterNotFound, ContractViolation, InvalidParameter, StudioError

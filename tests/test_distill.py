@@ -265,7 +265,8 @@ def test_restore_is_bit_exact_across_switches(dtype, managers, data_dir):
     assert checksums(m) == base
 
 
-def test_per_request_adapter_on_a_fused_base_restores_to_the_fused_state(managers, data_dir):
+def test_peft_layers_on_a_fused_base_come_off_to_the_fused_state(managers, data_dir):
+    """diffusers' own (unmerged) PEFT layers on top of a fused base."""
     m = managers("demo:wan2.1-t2v")
     distill = files_for("demo:wan2.1-t2v", data_dir)[0]
     base = checksums(m)
@@ -279,6 +280,9 @@ def test_per_request_adapter_on_a_fused_base_restores_to_the_fused_state(manager
         assert np.abs(pixels(m.generate(req)) - fused).mean() > 1.0
         with pytest.raises(StudioError, match="per-request LoRA layers are loaded on transformer"):
             m.fuse([distill])  # refuses rather than mixing them into the fused base
+        with pytest.raises(StudioError, match="cannot restore the base: per-request LoRA layers"):
+            m.restore_base()
+        assert m.fused_state()["state"] == "fused"
     finally:
         m.pipeline.delete_adapters("style")
         m.pipeline.unload_lora_weights()
@@ -343,33 +347,31 @@ def test_base_kept_in_the_checkpoint_restores_bit_exactly(dtype, managers, data_
     assert checksums(m) == base
 
 
-def test_our_peft_engine_on_a_fused_base_comes_back_to_the_fused_weights(managers, data_dir):
-    """The per-request engine treats the fused weights as its base, and a fuse/restore
-    while an adapter is active neither loses the fuse nor leaks the adapter into it."""
-    from backend.lora import attach, demo_adapters
+def test_per_request_engine_adapter_on_a_fused_base_restores_to_the_fused_checksum(managers, data_dir):
+    """The PEFT backend's engine (exact merge per request) sees the fused weights as its base."""
+    from backend.lora import attach
     from backend.lora.request import LoRARequest
 
     m = managers("demo:wan2.1-t2v")
-    base = checksums(m)
-    engine = attach(m)
-    style = demo_adapters.for_model("demo:wan2.1-t2v", data_dir)[0]
-    adapter = [(LoRARequest("style", 1, str(style)), 1.0)]
+    distill = files_for("demo:wan2.1-t2v", data_dir)[0]
+    style = LoRARequest("style", 7, str(write_demo_file("demo:wan2.1-t2v", "style_lora_rank64.safetensors",
+                                                       data_dir=data_dir)))
     req = request_for("demo:wan2.1-t2v", None)
+    attach(m)
     try:
-        fused_sums = m.fuse(files_for("demo:wan2.1-t2v", data_dir))["checksums"]
+        base = checksums(m)
+        base_px = pixels(m.generate(req))
+        fused_sums = m.fuse([distill])["checksums"]
         fused = pixels(m.generate(req))
-        styled = pixels(m.generate(req, adapters=adapter))
-        assert np.abs(styled - fused).mean() > 1.0
-        assert checksums(m) != fused_sums  # the adapter is merged in while active
-        assert np.array_equal(pixels(m.generate(req)), fused)
+        styled = m.generate(req, adapters=[(style, 1.0)])
+        assert styled.metadata["adapters"][0]["name"] == "style"
+        assert np.abs(pixels(styled) - fused).mean() > 1.0
+        assert np.array_equal(pixels(m.generate(req)), fused)  # no adapter: back to the fused state
         assert checksums(m) == fused_sums
-        m.generate(req, adapters=adapter)
-        m.restore_base()  # with the adapter active: it comes off, then the fuse
-        assert checksums(m) == base
-        m.generate(req, adapters=adapter)  # now on the raw base
-        m.generate(req)
-        assert checksums(m) == base
+        m.generate(req, adapters=[(style, 1.0)])  # adapter merged in when the base is restored
+        m.restore_base()
+        assert checksums(m) == base and m.fused_state()["state"] == "base"
+        m.generate(req, adapters=[(style, 1.0)])
+        assert np.array_equal(pixels(m.generate(req)), base_px) and checksums(m) == base
     finally:
         m.lora_engine = None
-        m.restore_base()
-    assert checksums(m) == base

@@ -128,6 +128,10 @@ def test_files_resolve_from_adapter_dirs_then_the_hf_cache(tmp_path):
     paths = presets.resolve_files(preset, WAN22_T2V, data, [lib], hf_cache_dir=cache)
     assert paths[0] == high  # adapter dir first
     assert paths[1].name == LOW and "models--lightx2v--Wan2.2-Distill-Loras" in str(paths[1])  # then the cache
+    # an exact file name goes through try_to_load_from_cache
+    exact = presets._in_hf_cache("lightx2v/Wan2.2-Distill-Loras", LOW, cache)
+    assert exact is not None and exact.resolve() == paths[1].resolve()
+    assert presets._in_hf_cache("lightx2v/Wan2.2-Distill-Loras", "absent.safetensors", cache) is None
     rows = {r["id"]: r for r in presets.list_presets(data, [lib], hf_cache_dir=cache)}
     row = rows["wan2.2-t2v-a14b-lightx2v-4step"]
     assert row["ready"] and [f["where"] for f in row["files"]] == ["adapter-dir", "hf-cache"]

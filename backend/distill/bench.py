@@ -50,11 +50,11 @@ def _touch(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _measure(name: str, pipeline, class_name: str, denoisers: dict, files: list, reload, device, repeat,
-             reload_pipeline=None) -> dict:
+             reload_pipeline=None, model_dir=None, keep="memory") -> dict:
     from ..weights import module_checksum
     from .lifecycle import FusedBase
 
-    fb = FusedBase(pipeline, class_name, denoisers)
+    fb = FusedBase(pipeline, class_name, denoisers, model_dir, keep=keep)
     fb.base_checksums()  # recorded once per model, not per fuse
     fuses, restores, copies = [], [], []
     for _ in range(repeat):
@@ -67,7 +67,7 @@ def _measure(name: str, pipeline, class_name: str, denoisers: dict, files: list,
     reload_s = _timed(reload, device, max(1, repeat // 2))
     pipeline_s = _timed(reload_pipeline, device, max(1, repeat // 2)) if reload_pipeline else None
     params = sum(p.numel() for m in denoisers.values() for p in m.parameters())
-    return {"model": name, "params_M": params / 1e6, "fuse_s": cycle, "restore_s": restore,
+    return {"model": f"{name} [{keep}]", "params_M": params / 1e6, "fuse_s": cycle, "restore_s": restore,
             "copy_s": copy, "checksum_s": checksum, "reload_s": reload_s, "reload_pipeline_s": pipeline_s, "snapshot_MB": fb.snapshot_bytes() / 2**20}
 
 
@@ -94,10 +94,10 @@ def bench_demo(model_id: str, device: str, dtype: str, repeat: int, data_dir=Non
         PipelineManager(device=device, dtype=dtype, data_dir=data_dir).load(model_id)
 
     return _measure(model_id, m.pipeline, m.spec.class_name, m.denoisers(), files, reload, m.device, repeat,
-                    reload_pipeline)
+                    reload_pipeline, m.model_path, keep="memory")
 
 
-def bench_synthetic(device: str, dtype: str, repeat: int) -> dict:
+def bench_synthetic(device: str, dtype: str, repeat: int) -> list[dict]:
     from diffusers import WanPipeline, WanTransformer3DModel
     from safetensors.torch import save_file
 
@@ -118,25 +118,28 @@ def bench_synthetic(device: str, dtype: str, repeat: int) -> dict:
         def load():
             return _touch(WanTransformer3DModel.from_pretrained(root / "transformer", torch_dtype=dt).to(dev))
 
-        transformer = load()
-        pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=transformer)
-        return _measure("synthetic Wan (768, 12 heads, FFN 3072, 4 layers)", pipe, "WanPipeline",
-                        {"transformer": transformer}, [lora], load, dev, repeat)
+        rows = []
+        for keep in ("memory", "checkpoint"):
+            transformer = load()
+            pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=transformer)
+            rows.append(_measure("synthetic Wan 768/12h/FFN3072/4L", pipe, "WanPipeline",
+                                 {"transformer": transformer}, [lora], load, dev, repeat, model_dir=root, keep=keep))
+        return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'model':<50} {'params':>7} {'fuse':>7} {'restore':>8} {'(copy)':>7} {'checksum':>8} "
+    head = (f"{'model':<44} {'params':>7} {'fuse':>7} {'restore':>8} {'(copy)':>7} {'checksum':>8} "
             f"{'reload T':>8} {'reload P':>8} {'T/restore':>9} {'P/restore':>9} {'snapshot':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         p, restore = r["reload_pipeline_s"], r["restore_s"]
         lines.append(
-            f"{r['model']:<50} {r['params_M']:>6.2f}M {r['fuse_s']:>6.3f}s {r['restore_s']:>7.3f}s "
+            f"{r['model']:<44} {r['params_M']:>6.2f}M {r['fuse_s']:>6.3f}s {r['restore_s']:>7.3f}s "
             f"{r['copy_s']:>6.3f}s {r['checksum_s']:>7.3f}s {r['reload_s']:>7.3f}s "
             f"{(f'{p:.3f}s' if p else '-'):>8} {r['reload_s'] / r['restore_s']:>8.1f}x "
             f"{(f'{p / restore:.1f}x' if p else '-'):>9} {r['snapshot_MB']:>6.1f}MB")
     lines.append("fuse: read + convert + inject + fuse + unload + 2 checksums; restore: copy back + verify "
-                 "(copy: without the verify); reload T: the denoiser(s) from disk; reload P: the whole pipeline")
+                 "(copy: without the verify); [memory]: base copies in RAM, [checkpoint]: re-read from disk; reload T: the denoiser(s) from disk; reload P: the whole pipeline")
     return "\n".join(lines)
 
 
@@ -153,7 +156,7 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     rows = [bench_demo(mid, args.device, args.dtype, args.repeat, args.data_dir) for mid in args.models]
     if not args.no_synthetic:
-        rows.append(bench_synthetic(args.device, args.dtype, args.repeat))
+        rows.extend(bench_synthetic(args.device, args.dtype, args.repeat))
     print(f"distill fuse/restore vs reload (device={args.device}, dtype={args.dtype}, "
           f"median of {args.repeat}, torch threads={torch.get_num_threads()})")
     print(format_table(rows))

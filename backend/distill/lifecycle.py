@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -209,6 +209,7 @@ class FusedBase:
         (a full sha256 pass, the larger part of a restore's cost on big models)."""
         if self.fused is None:
             return
+        self._refuse_resident_adapters("restore the base")
         self._write_back(verify)
         self.fused, self.preset = None, None
 
