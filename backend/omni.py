@@ -52,7 +52,9 @@ class Omni:
         self.manager.load(model)
         self.model = model
         self.lora = None
-        if lora_backend == "peft":  # per-request adapters; lora_path is pre-loaded and pinned
+        if self.manager.minimax is not None:  # MiniMax-H3: its runtime reads adapters (contracts, qkv reorder)
+            self.manager.minimax.start(lora_backend, lora_path)
+        elif lora_backend == "peft":  # per-request adapters; lora_path is pre-loaded and pinned
             from .lora import attach
             self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras, preload=lora_path)
         elif lora_path:
