@@ -51,13 +51,17 @@ class Omni:
         self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir)
         self.manager.load(model)
         self.model = model
-        from .lora import attach
+        self.lora = None
+        if self.manager.minimax is not None:  # MiniMax-H3: its runtime reads adapters (contracts, qkv reorder)
+            self.manager.minimax.start(lora_backend, lora_path)
+        else:
+            from .lora import attach
 
-        # per-request adapters on both backends; with peft, lora_path is pre-loaded and pinned
-        self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
-                           preload=lora_path if lora_backend == "peft" else None)
-        if lora_backend == "distill" and lora_path:
-            self.manager.fuse(lora_path, self.lora_scale)  # fused once, here; no LoRARequest needed later
+            # per-request adapters on both backends; with peft, lora_path is pre-loaded and pinned
+            self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+                               preload=lora_path if lora_backend == "peft" else None)
+            if lora_backend == "distill" and lora_path:
+                self.manager.fuse(lora_path, self.lora_scale)  # fused once, here; no LoRARequest needed later
 
     def apply_preset(self, preset_id: str) -> dict:
         """Fuse a distill preset's files (adapter dirs, then the HF cache) and use its defaults."""

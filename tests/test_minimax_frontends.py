@@ -54,3 +54,20 @@ def test_omni_turbo_request_and_contract_rejection(data_dir, tmp_path):
     assert base.metadata["adapters"] == [] and base.metadata["params"]["contract"] is None
     assert not np.array_equal(np.asarray(base.frames[0]), np.asarray(out.frames[0])) or \
         not np.array_equal(base.audio[0], out.audio[0])
+
+
+def test_omni_distill_fuses_turbo_at_start(data_dir, tmp_path):
+    from backend import Omni
+    from backend.errors import ContractViolation
+
+    path = tmp_path / "minimax_h3_fl2v_turbo_2step_v1.0_768p.safetensors"
+    g = torch.Generator().manual_seed(1)
+    save_file({f"transformer.transformer_blocks.1.attn.to_k.lora_{ab}.weight":
+               torch.randn(*((4, 32) if ab == "A" else (32, 4)), generator=g) for ab in "AB"}, str(path))
+    omni = Omni(model="demo:minimax-h3", lora_backend="distill", lora_path=str(path), device="cpu",
+                data_dir=data_dir)
+    out = omni.generate(prompt="a fox", seed=2)[0]  # no LoRARequest: the fused file's contract applies
+    params = out.metadata["params"]
+    assert params["num_inference_steps"] == 2 and params["flow_shift"] == 6.0 and params["fused"] == [path.name]
+    with pytest.raises(ContractViolation, match="flow_shift=6"):
+        omni.generate(prompt="a fox", flow_shift=12.0)

@@ -293,3 +293,28 @@ def test_distill_fuses_turbo_and_its_contract_governs(repo, tmp_path):
     assert np.abs(pixels(fused) - pixels(base)).mean() > 0.01
     with pytest.raises(ContractViolation, match="num_inference_steps=2"):
         gen(rt, num_inference_steps=3)
+
+
+def test_demo_build_is_byte_identical_and_in_repository_layout(tmp_path, repo):
+    import hashlib
+    import subprocess
+    import sys
+
+    script = "import sys, torch; torch.manual_seed(int(sys.argv[2])); " \
+             "from backend.demo.minimax import build; build(sys.argv[1])"
+    for name, seed in (("a", 0), ("b", 123)):  # different global RNG state, separate processes
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / name), str(seed)], check=True,
+                       capture_output=True)
+
+    def digest(root):
+        return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.rglob("*")) if p.is_file()}
+
+    a, b = digest(tmp_path / "a"), digest(tmp_path / "b")
+    assert a == b
+    index = json.loads((tmp_path / "a" / "modular_model_index.json").read_text())
+    assert index["_class_name"] == "MiniMaxH3ModularPipeline"
+    for part in ("transformer", "transformer_ref", "audio_vae", "vae", "text_encoder", "processor"):
+        assert index[part][2]["subfolder"] == part and (tmp_path / "a" / part).is_dir()
+    # ensure() wrote the same repository (plus its own marker and defaults files).
+    assert {k: v for k, v in digest(repo).items() if k in a} == a

@@ -48,6 +48,17 @@ class MiniMaxRuntime:
         self.fused: list[MiniMaxAdapter] = []
         self._lock = threading.RLock()
 
+    def start(self, lora_backend: str, lora_path=None, offload: str | None = None) -> None:
+        """Start-time adapters (Omni(lora_path=...)): distill fuses them, peft binds them (inactive)."""
+        self.offload = offload_policy.check(offload, lora_backend)
+        self.lora_backend = lora_backend
+        paths = [lora_path] if isinstance(lora_path, (str, Path)) else list(lora_path or [])
+        if lora_backend == "distill":
+            self.fuse(paths)
+        else:
+            for path in paths:
+                self.load_adapter(Path(path).stem, path)
+
     # -- adapters ----------------------------------------------------------------------------------------
     def _heads(self, partition: str) -> tuple[int, int]:
         config = self._partition_config(partition)
