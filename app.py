@@ -126,7 +126,7 @@ def cmd_generate(args) -> int:
         omni.apply_preset(args.preset)  # fuses its files; its sampling defaults fill unset flags
     fields = {field: getattr(args, flag) for flag, field in GENERATION_FLAGS.items()
               if getattr(args, flag) is not None}
-    if args.lora_backend == "peft" and args.lora_path:  # one-shot CLI: use what was pre-loaded
+    if args.lora_backend == "peft" and args.lora_path and omni.lora is not None:  # one-shot CLI: pre-loaded ones
         fields["lora_request"] = list(omni.lora.preloaded)
         fields["lora_scale"] = [args.lora_scale] * len(omni.lora.preloaded)
     bars = []
