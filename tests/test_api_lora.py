@@ -88,10 +88,13 @@ def test_broken_adapter_fails_its_job_and_the_next_one_succeeds_on_the_same_weig
     broken = data_dir / "adapters" / "broken.safetensors"
     good = (data_dir / "adapters" / INK).read_bytes()
     broken.write_bytes(good[: len(good) // 2])  # a download cut in half
-    r = httpx.post(f"{url}/v1/images/generations", json={**FAST, "lora": {"path": "broken.safetensors"}},
-                   timeout=120)
-    assert r.status_code == 400, r.text
-    assert "broken.safetensors" in r.json()["error"]["message"]
-    assert np.array_equal(_image(url), base)  # the next job runs, on unchanged weights
-    failed = [j for j in studio.jobs(status="failed") if j["adapters"] and "broken" in j["adapters"][0]["path"]]
-    assert failed and failed[0]["error"]
+    try:
+        r = httpx.post(f"{url}/v1/images/generations", json={**FAST, "lora": {"path": "broken.safetensors"}},
+                       timeout=120)
+        assert r.status_code == 400, r.text
+        assert "broken.safetensors" in r.json()["error"]["message"]
+        assert np.array_equal(_image(url), base)  # the next job runs, on unchanged weights
+        failed = [j for j in studio.jobs(status="failed") if j["adapters"] and "broken" in j["adapters"][0]["path"]]
+        assert failed and failed[0]["error"]
+    finally:
+        broken.unlink()  # the library is shared by the whole test session
