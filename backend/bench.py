@@ -131,49 +131,54 @@ class LoraBench:
             self.rss_diffusers()
 
     def timing(self):
+        """Side by side, interleaved round by round so a busy machine slows all three alike."""
         a = self.args
         R = a.repeats
-        ours_model = self.model
+        base_model = self.model
+        ours_model = copy.deepcopy(self.model)
         theirs_model = copy.deepcopy(self.model)
-        self.forward(ours_model)  # warm-up
-        t_base = _median_time(lambda: self.forward(ours_model), R)
-        print(f"base forward: {t_base:.3f} s ({a.tokens} tokens, {a.layers} layers, fp32, "
-              f"{torch.get_num_threads()} threads)", flush=True)
-
         engine = self.engine(ours_model, max_loras=4, max_cpu_loras=8)
         for i in range(4):
             engine.load(self.req(i))
-        engine.activate([(self.req(0), 1.0)])
-        t_ours_fwd = _median_time(lambda: self.forward(ours_model), R)
-
-        for i in range(4):
             theirs_model.load_lora_adapter(str(self.paths[i]), adapter_name=f"a{i}", prefix="transformer")
+        engine.activate([(self.req(0), 1.0)])
         theirs_model.set_adapters(["a0"], [1.0])
-        self.forward(theirs_model)
-        t_theirs_fwd = _median_time(lambda: self.forward(theirs_model), R)
+        for m in (base_model, ours_model, theirs_model):
+            self.forward(m)  # warm-up
+        rounds = {"base": [], "ours": [], "theirs": []}
+        for _ in range(R):
+            for key, m in (("base", base_model), ("ours", ours_model), ("theirs", theirs_model)):
+                rounds[key].append(_median_time(lambda: self.forward(m), 1))
+        t_base, t_ours_fwd, t_theirs_fwd = (statistics.median(rounds[k]) for k in ("base", "ours", "theirs"))
+        print(f"base forward: {t_base:.3f} s ({a.tokens} tokens, {a.layers} layers, fp32, "
+              f"{torch.get_num_threads()} threads)", flush=True)
         self.add("forward with an active adapter, relative to the base forward", f"{t_ours_fwd / t_base:.3f}x",
                  f"{t_theirs_fwd / t_base:.3f}x (unfused)", f"{t_ours_fwd / t_theirs_fwd:.3f}x")
 
-        # 4-step generation with a cached adapter, switch included (alternate adapters so each one switches)
+        # a 4-step generation with a cached adapter, switch included (adapters alternate, so each one switches)
         steps = 4
-        engine.activate([])
-        t_gen_base = _median_time(lambda: [self.forward(ours_model) for _ in range(steps)], R)
         flip = {"i": 0}
 
+        def base_gen():
+            for _ in range(steps):
+                self.forward(base_model)
+
         def ours_gen():
-            flip["i"] ^= 1
             engine.activate([(self.req(flip["i"]), 1.0)])
             for _ in range(steps):
                 self.forward(ours_model)
 
         def theirs_gen():
-            flip["i"] ^= 1
             theirs_model.set_adapters([f"a{flip['i']}"], [1.0])
             for _ in range(steps):
                 self.forward(theirs_model)
 
-        t_gen_ours = _median_time(ours_gen, R)
-        t_gen_theirs = _median_time(theirs_gen, R)
+        gens = {"base": [], "ours": [], "theirs": []}
+        for _ in range(R):
+            flip["i"] ^= 1
+            for key, fn in (("base", base_gen), ("ours", ours_gen), ("theirs", theirs_gen)):
+                gens[key].append(_median_time(fn, 1))
+        t_gen_base, t_gen_ours, t_gen_theirs = (statistics.median(gens[k]) for k in ("base", "ours", "theirs"))
         ratio = t_gen_ours / t_gen_base
         self.add(f"{steps}-step generation, cached adapter, switch included, relative to base",
                  f"{ratio:.3f}x", f"{t_gen_theirs / t_gen_base:.3f}x (unfused)",
@@ -237,8 +242,7 @@ class LoraBench:
         t_fuse = _mean_time(theirs_fuse, max(2, n // 10))
         t_merge = _mean_time(lambda i: (engine.activate([(self.req(1), 1.0)]), engine.activate([])), max(2, n // 10))
         self.timed("merge + restore vs fuse_lora + unfuse_lora", t_merge, t_fuse)
-        engine.deactivate()
-        del theirs_model, engine
+        del theirs_model, ours_model, engine
         gc.collect()
 
     def drift(self):

@@ -115,10 +115,10 @@ def test_nan_weights_named(tmp_path):
 def test_demo_writers_are_deterministic(library, data_dir, tmp_path):
     spec = next(s for s in demo_adapters.DEMO_ADAPTERS if s.writer == "write_lightx2v")
     again = tmp_path / "again.safetensors"
-    demo_adapters.write_lightx2v(spec, again, data_dir)
+    demo_adapters.write(spec, again, data_dir)
     assert again.read_bytes() == (library / spec.relpath).read_bytes()
     peft_spec = next(s for s in demo_adapters.DEMO_ADAPTERS if s.writer == "write_peft_folder")
-    demo_adapters.write_peft_folder(peft_spec, tmp_path / "peft", data_dir)
+    demo_adapters.write(peft_spec, tmp_path / "peft", data_dir)
     assert ((tmp_path / "peft/adapter_model.safetensors").read_bytes()
             == (library / peft_spec.relpath / "adapter_model.safetensors").read_bytes())
     shutil.rmtree(tmp_path / "peft")

@@ -31,7 +31,7 @@ from filelock import FileLock
 
 from .. import settings
 
-VERSION = 2
+VERSION = 4
 MARKER = ".demo-adapters"
 
 
@@ -86,7 +86,7 @@ def ensure(data_dir=None) -> Path:
             for spec in DEMO_ADAPTERS:
                 out = tmp / spec.relpath
                 out.parent.mkdir(parents=True, exist_ok=True)
-                globals()[spec.writer](spec, out, data_dir)
+                write(spec, out, data_dir)
             (tmp / MARKER).write_text(json.dumps({"version": VERSION}))
             if root.exists():
                 shutil.rmtree(root)
@@ -95,6 +95,38 @@ def ensure(data_dir=None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return root
+
+
+def write(spec: DemoAdapter, out: Path, data_dir=None) -> None:
+    """Write one demo adapter, byte for byte the same on every run."""
+    globals()[spec.writer](spec, out, data_dir)
+    for f in ([out / "adapter_model.safetensors"] if out.is_dir() else [out]):
+        _canonical_header(f)
+    config = out / "adapter_config.json"
+    if config.is_file():  # peft writes its target_modules set in hash order
+        data = json.loads(config.read_text())
+        if isinstance(data.get("target_modules"), list):
+            data["target_modules"] = sorted(data["target_modules"])
+        config.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _canonical_header(file: Path) -> None:
+    """safetensors writes ``__metadata__`` in hash-map order; sort it so the bytes (and sha256) repeat.
+
+    The sorted header has the same length, so tensor offsets do not move.
+    """
+    import struct
+
+    with open(file, "r+b") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+        meta = header.pop("__metadata__", None)
+        ordered = ({"__metadata__": dict(sorted(meta.items()))} if meta else {}) | header
+        text = json.dumps(ordered, separators=(",", ":")).encode()
+        if len(text) > n:
+            raise RuntimeError(f"{file}: canonical header longer than the original")
+        fh.seek(8)
+        fh.write(text + b" " * (n - len(text)))
 
 
 def _current(marker: Path) -> bool:
@@ -212,7 +244,7 @@ def write_diffusers_file(spec: DemoAdapter, out: Path, data_dir) -> None:
     layers = get_peft_model_state_dict(transformer)
     _pipeline_cls(spec.model, data_dir).save_lora_weights(
         str(out.parent), transformer_lora_layers=layers, weight_name=out.name,
-        transformer_lora_adapter_metadata=config.to_dict())
+        transformer_lora_adapter_metadata={**config.to_dict(), "target_modules": sorted(config.target_modules)})
 
 
 def write_kohya_qwen(spec: DemoAdapter, out: Path, data_dir) -> None:
@@ -232,7 +264,7 @@ def write_kohya_qwen(spec: DemoAdapter, out: Path, data_dir) -> None:
     save_file(tensors, str(out), metadata={
         "ss_network_module": "networks.lora_qwen_image", "ss_network_dim": str(spec.rank),
         "ss_network_alpha": str(spec.alpha), "ss_base_model_version": "qwen_image",
-        "modelspec.architecture": "qwen-image/lora", "modelspec.title": out.stem})
+        "modelspec.architecture": "qwen-image/lora", "modelspec.title": Path(spec.relpath).stem})
 
 
 _WAN_MAP = {  # diffusers module -> original Wan (lightx2v / musubi) module
