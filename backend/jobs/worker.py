@@ -3,7 +3,8 @@
 It is started with multiprocessing's ``spawn`` (a fresh interpreter: no CUDA state or
 locks inherited from the server) and talks to the supervisor over one Pipe:
 
-    supervisor -> worker   {"op": "job", "job": {...}} | {"op": "unload_adapter", "name"} | {"op": "stop"}
+    supervisor -> worker   {"op": "job", "job": {...}} | {"op": "unload_adapter", "name"}
+                           | {"op": "pin", "name", "path", "int_id", "pinned"} | {"op": "stop"}
     worker -> supervisor   ("ready", info) | ("progress", id, step, total)
                            | ("done", id, result, info) | ("failed", id, error, info)
                            | ("cancelled", id, info) | ("fatal", message)
@@ -187,11 +188,21 @@ class _Worker:
                 return
             if op == "job":
                 self.run_job(msg["job"])
-            elif op == "unload_adapter" and self.engine is not None:
+            elif op in ("unload_adapter", "pin") and self.engine is not None:
                 try:
-                    self.engine.unload(msg["name"])
-                except Exception:  # not loaded here: nothing to free
-                    pass
+                    self._cache_op(msg)
+                except Exception as exc:  # not loaded / unreadable: nothing to change, say why in the log
+                    print(f"lora-studio worker: {op} {msg.get('name')!r}: {exc}", file=sys.stderr)
+
+    def _cache_op(self, msg: dict) -> None:
+        from backend.lora.request import LoRARequest
+
+        if msg["op"] == "unload_adapter":
+            self.engine.unload(msg["name"])
+        elif msg["pinned"]:  # read it into the CPU tier now and keep it there
+            self.engine.load(LoRARequest(msg["name"], int(msg["int_id"]), msg["path"]), pin=True)
+        else:
+            self.engine.cache.pinned.discard(int(msg["int_id"]))
 
 
 def main(conn, cancel, config: WorkerConfig) -> None:
