@@ -18,6 +18,8 @@ model is touched; a failure while writing rolls every touched layer back to pris
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import math
 import threading
@@ -170,6 +172,23 @@ class LoRAEngine:
 
     def deactivate(self) -> None:
         self.activate([])
+
+    @contextlib.contextmanager
+    def rebase(self):
+        """Adopt the current weights as the new base, e.g. around a distill fuse or restore.
+
+        Adapters come off first (so whoever writes the base sees pristine weights), and the
+        pristine copies are dropped afterwards, so the next activation captures the new base
+        instead of writing the old one back.
+        """
+        with self._lock:
+            self.deactivate()
+            try:
+                yield
+            finally:
+                for snap in self._snapshots.values():
+                    snap.clear()
+                self._merged.clear()
 
     @property
     def active(self) -> list[dict]:
