@@ -71,14 +71,12 @@ class _Worker:
         return self.manager
 
     def set_preset(self, preset_id: str | None) -> dict:
-        """Fuse a preset (or go back to base); PEFT adapters then merge on top of the new base."""
-        if self.engine is not None:
-            self.engine.deactivate()  # merged adapters come off before the base changes
+        """Fuse a preset (or go back to base). The manager takes PEFT adapters off around it and
+        the engine adopts the new weights as base, so later adapters merge on top of them."""
         manager = self._distill()
         manager.restore_base()
         defaults = manager.apply_preset(preset_id, list(self.config.adapter_dirs)) if preset_id else {}
         self.preset = preset_id
-        self._attach_peft()  # its pristine copies must be of the new base
         return {"preset": preset_id, "defaults": defaults, "fused": manager.fused_state()}
 
     def _attach_peft(self) -> None:
