@@ -203,6 +203,14 @@ class Studio:
         self.supervisor.control({"op": "unload_adapter", "name": name})
         return {"name": name, "deleted": str(path)}
 
+    def pin(self, name: str, pinned: bool = True) -> dict:
+        """Keep an adapter in the worker's CPU cache (never evicted) or let it go again.
+        Pins live as long as the worker process (a restarted worker starts unpinned)."""
+        path = self.resolver.by_name(name)
+        self.supervisor.control({"op": "pin", "name": name, "path": str(path),
+                                 "int_id": self.resolver.int_id(path), "pinned": bool(pinned)})
+        return {"name": name, "pinned": bool(pinned)}
+
     def load_adapter(self, name: str, path: str) -> dict:
         """vLLM's /v1/load_lora_adapter: register ``name`` for ``path`` (path rules apply)."""
         return self.resolver.register(name, path).as_dict()

@@ -48,3 +48,42 @@ def test_breaking_the_preset_contract_is_422_by_name(url):
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert err["param"] == "num_inference_steps" and PRESET in err["message"]
+
+
+@pytest.fixture(scope="module")
+def peft_studio(data_dir, tmp_path_factory):
+    from backend.lora import demo_adapters
+
+    demo_adapters.ensure(data_dir)
+    studio = Studio("demo:qwen-image", data_dir=data_dir, device="cpu", worker_threads=1,
+                    db_path=tmp_path_factory.mktemp("preset-db") / "jobs.sqlite").start()
+    yield studio
+    studio.close()
+
+
+def _pixels(studio, adapters=None):
+    import numpy as np
+    from PIL import Image
+
+    job = studio.run("generate", {"prompt": "a cake", "seed": 5, "height": 64, "width": 64,
+                                  "num_inference_steps": 4, "true_cfg_scale": 1.0}, adapters, timeout=120)
+    assert job["status"] == "succeeded", job["error"]
+    return np.asarray(Image.open(job["result"]["path"]).convert("RGB"))
+
+
+def test_apply_preset_then_adapters_on_top_then_restore_base_is_exact(peft_studio):
+    import numpy as np
+
+    base = _pixels(peft_studio)
+    applied = peft_studio.apply_preset(PRESET)
+    assert applied["fused"]["state"] == "fused" and applied["defaults"]["num_inference_steps"] == 4
+    assert peft_studio.system()["fused"]["preset"] == PRESET
+    fused = _pixels(peft_studio)
+    assert not np.array_equal(fused, base)
+    ink = [{"name": "qwen-image-ink-kohya", "scale": 1.0}]
+    on_top = _pixels(peft_studio, ink)
+    assert not np.array_equal(on_top, fused)
+    assert np.array_equal(_pixels(peft_studio), fused)  # the adapter came off to the fused base
+    peft_studio.restore_base()
+    assert peft_studio.system()["fused"]["state"] == "base"
+    assert np.array_equal(_pixels(peft_studio), base)  # and the base is back bit-for-bit

@@ -98,3 +98,20 @@ def test_broken_adapter_fails_its_job_and_the_next_one_succeeds_on_the_same_weig
         assert failed and failed[0]["error"]
     finally:
         broken.unlink()  # the library is shared by the whole test session
+
+
+def test_pin_keeps_an_adapter_in_the_worker_cache(server):
+    import time
+
+    studio, url = server
+    studio.pin("qwen-image-neon-peft", True)
+    _image(url)  # control messages reach the worker between jobs
+    deadline = time.monotonic() + 30
+    while "qwen-image-neon-peft" not in (studio.system()["lora_cache"] or {}).get("pinned", []):
+        assert time.monotonic() < deadline, studio.system()["lora_cache"]
+        _image(url)
+    studio.pin("qwen-image-neon-peft", False)
+    _image(url)
+    _image(url)
+    assert "qwen-image-neon-peft" not in studio.system()["lora_cache"]["pinned"]
+    assert any(a["name"] == "qwen-image-neon-peft" and not a["pinned"] for a in studio.adapters())

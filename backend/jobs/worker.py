@@ -3,7 +3,8 @@
 It is started with multiprocessing's ``spawn`` (a fresh interpreter: no CUDA state or
 locks inherited from the server) and talks to the supervisor over one Pipe:
 
-    supervisor -> worker   {"op": "job", "job": {...}} | {"op": "unload_adapter", "name"} | {"op": "stop"}
+    supervisor -> worker   {"op": "job", "job": {...}} | {"op": "unload_adapter", "name"}
+                           | {"op": "pin", "name", "path", "int_id", "pinned"} | {"op": "stop"}
     worker -> supervisor   ("ready", info) | ("progress", id, step, total)
                            | ("done", id, result, info) | ("failed", id, error, info)
                            | ("cancelled", id, info) | ("fatal", message)
@@ -70,14 +71,12 @@ class _Worker:
         return self.manager
 
     def set_preset(self, preset_id: str | None) -> dict:
-        """Fuse a preset (or go back to base); PEFT adapters then merge on top of the new base."""
-        if self.engine is not None:
-            self.engine.deactivate()  # merged adapters come off before the base changes
+        """Fuse a preset (or go back to base). The manager takes PEFT adapters off around it and
+        the engine adopts the new weights as base, so later adapters merge on top of them."""
         manager = self._distill()
         manager.restore_base()
         defaults = manager.apply_preset(preset_id, list(self.config.adapter_dirs)) if preset_id else {}
         self.preset = preset_id
-        self._attach_peft()  # its pristine copies must be of the new base
         return {"preset": preset_id, "defaults": defaults, "fused": manager.fused_state()}
 
     def _attach_peft(self) -> None:
@@ -187,11 +186,21 @@ class _Worker:
                 return
             if op == "job":
                 self.run_job(msg["job"])
-            elif op == "unload_adapter" and self.engine is not None:
+            elif op in ("unload_adapter", "pin") and self.engine is not None:
                 try:
-                    self.engine.unload(msg["name"])
-                except Exception:  # not loaded here: nothing to free
-                    pass
+                    self._cache_op(msg)
+                except Exception as exc:  # not loaded / unreadable: nothing to change, say why in the log
+                    print(f"lora-studio worker: {op} {msg.get('name')!r}: {exc}", file=sys.stderr)
+
+    def _cache_op(self, msg: dict) -> None:
+        from backend.lora.request import LoRARequest
+
+        if msg["op"] == "unload_adapter":
+            self.engine.unload(msg["name"])
+        elif msg["pinned"]:  # read it into the CPU tier now and keep it there
+            self.engine.load(LoRARequest(msg["name"], int(msg["int_id"]), msg["path"]), pin=True)
+        else:
+            self.engine.cache.pinned.discard(int(msg["int_id"]))
 
 
 def main(conn, cancel, config: WorkerConfig) -> None:
