@@ -400,7 +400,8 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                 if value is not None:
                     params[w.name] = value
         try:
-            job = studio.submit("generate", params, adapter_payload(stack, m.two_stage), applied, model_id)
+            # the server knows what it has fused (apply_preset); the job need not name it again
+            job = studio.submit("generate", params, adapter_payload(stack, m.two_stage), None, model_id)
         except Exception as exc:
             yield [error_html(readable(exc)), ""] + blank
             return
