@@ -108,6 +108,9 @@ def _marker(demo: DemoModel) -> dict:
 def _write(demo: DemoModel, out: Path) -> None:
     import torch  # heavy; only needed when building
 
+    from ..manager import quiet_libraries
+
+    quiet_libraries()
     with torch.random.fork_rng(devices=[]):
         pipe = demo.build()
     pipe.save_pretrained(out, safe_serialization=True)

@@ -24,7 +24,13 @@ class ResolvedModel:
     model_index: dict = field(default_factory=dict)
 
 
-def resolve_model(model_id: str, data_dir=None, *, allow_download: bool = False) -> ResolvedModel:
+# Downloads are opt-in: a server must never start fetching tens of GB by surprise.
+ALLOW_DOWNLOAD_ENV = "LORA_STUDIO_ALLOW_DOWNLOAD"
+
+
+def resolve_model(model_id: str, data_dir=None, *, allow_download: bool | None = None) -> ResolvedModel:
+    if allow_download is None:
+        allow_download = os.environ.get(ALLOW_DOWNLOAD_ENV) == "1"
     if not model_id or not isinstance(model_id, str):
         raise ModelNotFound("model must be a demo id, a local diffusers directory or a Hugging Face repo id",
                             param="model")
@@ -51,7 +57,8 @@ def _from_hub(repo_id: str, allow_download: bool) -> Path:
             raise ModelNotFound(
                 f"model {repo_id!r} is not in the local Hugging Face cache "
                 f"({os.environ.get('HF_HUB_CACHE', '~/.cache/huggingface/hub')}); "
-                f"fetch it with `huggingface-cli download {repo_id}` or pass a local directory",
+                f"fetch it with `huggingface-cli download {repo_id}`, set {ALLOW_DOWNLOAD_ENV}=1, "
+                f"or pass a local directory",
                 param="model") from None
     try:
         return Path(snapshot_download(repo_id))
