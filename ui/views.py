@@ -191,10 +191,15 @@ def adapter_rows(adapters: list[dict], where: dict[str, str] | None = None) -> l
         ok, reason = fit_of(a)
         size = a.get("size") if isinstance(a.get("size"), str) else human_bytes(a.get("size_bytes"))
         rows.append([a.get("name"), a.get("format") or "", a.get("rank") or "", a.get("alpha") or "", targets,
-                     size, (a.get("sha256") or "")[:12], ("✓ " if ok else "✗ ") + reason,
+                     size, (a.get("sha256") or "")[:12], ("✓ " if ok else "✗ ") + _short(reason),
                      a.get("tier") or (where or {}).get(a.get("name"), "disk"),
                      "pinned" if a.get("pinned") else ""])
     return rows
+
+
+def _short(text: str, limit: int = 90) -> str:
+    """One table cell's worth; the detail view has the whole fit report."""
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def adapter_choices(adapters: list[dict]) -> tuple[list[tuple[str, str]], str]:
