@@ -150,6 +150,21 @@ def test_compare_grid_is_one_batch(page):
     shot(page, "compare")
 
 
+def test_preset_picker_fuses_and_restores(page):
+    open_tab(page, "Generate")
+    page.locator("#gen-preset").get_by_text("Preset (distill").first.click()
+    pick(page, "gen-preset-pick", "qwen-image-2512-lightning-4step")
+    # before applying, the picker shows what will be fused and which files are missing
+    expect(page.locator("#gen-preset")).to_contain_text("demo stand-in")
+    page.locator("#gen-preset-apply").click()
+    expect(page.locator("#gen-preset")).to_contain_text("fused preset qwen-image-2512-lightning-4step")
+    expect(page.locator("#field-num_inference_steps input")).to_have_value("4")
+    shot(page, "generate-preset")
+    pick(page, "gen-preset-pick", "(none: base weights)")
+    page.locator("#gen-preset-apply").click()
+    expect(page.locator("#gen-preset")).to_contain_text("restored the base weights")
+
+
 @pytest.mark.parametrize("tab", ["Presets", "Queue", "Gallery", "System"])
 def test_every_tab_renders(page, tab):
     open_tab(page, tab)
