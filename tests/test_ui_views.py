@@ -50,7 +50,7 @@ def test_only_fitting_adapters_are_offered_and_the_others_say_why():
                {"name": "wan-only", "fit": {"ok": False, "summary": "0 of 96 keys bind to QwenImagePipeline"}}]
     choices, note = adapter_choices(library)
     assert choices == [("good", "good")]
-    assert "wan-only" in note and "0 of 96 keys bind" in note
+    assert "wan-only" in note and "0 of 96 keys bind" in note and "1 adapter(s)" in note
     rows = adapter_rows(library)
     assert rows[0][0] == "good" and rows[0][-1] == "pinned" and rows[1][7].startswith("✗")
 

@@ -35,6 +35,7 @@ def build(studio):
         refresh = gr.Button("Refresh", scale=0, elem_id="adapters-refresh")
         status = gr.HTML(elem_id="adapters-status")
     table = gr.Dataframe(headers=views.ADAPTER_COLUMNS, value=[], interactive=False, wrap=True,
+                         column_widths=["17%", "8%", "5%", "5%", "10%", "7%", "10%", "26%", "7%", "5%"],
                          elem_id="adapters-table", label="Library (fit is for the loaded model)")
     with gr.Row():
         with gr.Column(scale=2):

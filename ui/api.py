@@ -20,6 +20,16 @@ def _fail(exc: BaseException):
     raise gr.Error(readable(exc), print_exception=False) from None
 
 
+def plain(obj):
+    """JSON for gradio_client: it downloads any dict with a "path" key as a file, so the
+    library's and presets' paths travel as "local_path" (the HTTP API's alias for it)."""
+    if isinstance(obj, dict):
+        return {("local_path" if k == "path" else k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [plain(v) for v in obj]
+    return obj
+
+
 def parse_adapters(value) -> list[dict]:
     """A list of {"name", "scale"} given as a list or its JSON text."""
     if value in (None, "", []):
@@ -62,7 +72,7 @@ def build(studio) -> None:
         if job.get("status") != "succeeded":
             raise gr.Error(f"job {job['id']} {job.get('status')}: {job.get('error') or 'no reason given'}",
                            print_exception=False)
-        return job["result"]["path"], job["result"]["metadata"]
+        return job["result"]["path"], plain(job["result"]["metadata"])
 
     with gr.Column(visible=False):
         inputs = [gr.Textbox(label="prompt"), gr.Textbox(label="negative_prompt", value=None),
@@ -82,14 +92,14 @@ def build(studio) -> None:
     def list_adapters() -> list[dict]:
         """The adapter library, with each adapter's fit for the loaded model."""
         try:
-            return studio.adapters()
+            return plain(studio.adapters())
         except Exception as exc:
             _fail(exc)
 
     def list_presets() -> list[dict]:
         """Distill presets and which of their files are present."""
         try:
-            return studio.presets()
+            return plain(studio.presets())
         except Exception as exc:
             _fail(exc)
 
@@ -97,15 +107,15 @@ def build(studio) -> None:
         """Fuse a preset into the base weights ("" or "base" restores the base)."""
         try:
             if preset_id in ("", "base", None):
-                return studio.restore_base() or {}
-            return studio.apply_preset(preset_id) or {}
+                return plain(studio.restore_base() or {})
+            return plain(studio.apply_preset(preset_id) or {})
         except Exception as exc:
             _fail(exc)
 
     def cancel(job_id: str) -> dict:
         """Cancel a queued or running job."""
         try:
-            return studio.cancel(job_id)
+            return plain(studio.cancel(job_id))
         except Exception as exc:
             _fail(exc)
 

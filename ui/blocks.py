@@ -21,6 +21,7 @@ CSS = """
 .ls-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(320px, 1fr)); gap: 12px; }
 .ls-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 10px; }
 .ls-card h3 { margin: 0 0 4px 0; }
+.ls-card code { word-break: break-all; white-space: normal; }
 .ls-missing { color: var(--error-text-color, #b91c1c); }
 .ls-present { color: var(--color-green-600, #16a34a); }
 #result-image img, #cmp-grid img { image-rendering: pixelated; min-width: 256px; object-fit: contain; }

@@ -8,6 +8,7 @@ browser and for ``gr.Progress`` (dynamic re-rendering would rebuild them mid-job
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import gradio as gr
@@ -377,10 +378,13 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
             result = studio.apply_preset(preset_id)
         except Exception as exc:
             return [gr.update(), error_html(readable(exc))] + [gr.update()] * len(WIDGETS)
-        p = next((p for p in studio.presets() if p.get("id") == preset_id), {})
-        values = dict(p.get("defaults") or {})
-        fused = (result or {}).get("fused") if isinstance(result, dict) else None
-        msg = f"fused preset {preset_id}" + (f" ({views.adapters_label(fused)})" if isinstance(fused, list) else "")
+        # the worker answers with the sampling defaults it now applies and the fused state
+        values = dict((result or {}).get("defaults") or {})
+        fused = (result or {}).get("fused") or {}
+        files = ", ".join(Path(str(f.get("path", f) if isinstance(f, dict) else f)).name
+                          for f in fused.get("files") or [])
+        msg = f"fused preset {preset_id}" + (f" ({files})" if files else "") + \
+            (f"; sampling set to {', '.join(f'{k}={v}' for k, v in values.items())}" if values else "")
         return [preset_id, ok_html(msg)] + field_updates(m, values, reset=False)
 
     apply_btn.click(apply, [t.preset, t.model], [t.applied, t.preset_note, *t.field_outputs()],
@@ -400,7 +404,8 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                 if value is not None:
                     params[w.name] = value
         try:
-            job = studio.submit("generate", params, adapter_payload(stack, m.two_stage), applied, model_id)
+            # the server knows what it has fused (apply_preset); the job need not name it again
+            job = studio.submit("generate", params, adapter_payload(stack, m.two_stage), None, model_id)
         except Exception as exc:
             yield [error_html(readable(exc)), ""] + blank
             return

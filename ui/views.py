@@ -191,22 +191,30 @@ def adapter_rows(adapters: list[dict], where: dict[str, str] | None = None) -> l
         ok, reason = fit_of(a)
         size = a.get("size") if isinstance(a.get("size"), str) else human_bytes(a.get("size_bytes"))
         rows.append([a.get("name"), a.get("format") or "", a.get("rank") or "", a.get("alpha") or "", targets,
-                     size, (a.get("sha256") or "")[:12], ("✓ " if ok else "✗ ") + reason,
+                     size, (a.get("sha256") or "")[:12], ("✓ " if ok else "✗ ") + _short(reason),
                      a.get("tier") or (where or {}).get(a.get("name"), "disk"),
                      "pinned" if a.get("pinned") else ""])
     return rows
 
 
+def _short(text: str, limit: int = 90) -> str:
+    """One table cell's worth; the detail view has the whole fit report."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def adapter_choices(adapters: list[dict]) -> tuple[list[tuple[str, str]], str]:
-    """Dropdown choices (only adapters that fit) and a note listing the others with their reason."""
+    """Dropdown choices (only adapters that fit) and a folded note listing the others with their reason."""
     fit, unfit = [], []
     for a in adapters:
         ok, reason = fit_of(a)
         (fit if ok else unfit).append((a["name"], reason))
     choices = [(name, name) for name, _ in fit]
-    note = "".join(f'<li class="ls-unfit" title="{html.escape(r)}">{html.escape(n)} — {html.escape(r)}</li>'
-                   for n, r in unfit)
-    return choices, (f'<div class="ls-unfit-list">Not usable with this model:<ul>{note}</ul></div>' if note else "")
+    if not unfit:
+        return choices, ""
+    items = "".join(f'<li class="ls-unfit" title="{html.escape(r)}">{html.escape(n)}: '
+                    f'{html.escape(r if len(r) <= 140 else r[:140] + "…")}</li>' for n, r in unfit)
+    return choices, (f'<details class="ls-unfit-list"><summary>{len(unfit)} adapter(s) in the library do not fit '
+                     f'this model</summary><ul>{items}</ul></details>')
 
 
 # -- presets ----------------------------------------------------------------------------------
