@@ -51,7 +51,11 @@ class Omni:
         self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir)
         self.manager.load(model)
         self.model = model
-        if lora_path:
+        self.lora = None
+        if lora_backend == "peft":  # per-request adapters; lora_path is pre-loaded and pinned
+            from .lora import attach
+            self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras, preload=lora_path)
+        elif lora_path:
             raise StudioError(f"lora_path with lora_backend={lora_backend!r} is not supported yet",
                               param="lora_path")
 

@@ -1,0 +1,43 @@
+"""PEFT backend: per-request LoRA adapters over a loaded pipeline.
+
+    engine = attach(manager, max_loras=4, max_cpu_loras=16, preload=["/path/lora.safetensors"])
+    manager.generate(params, adapters=[(LoRARequest("style", 1, path), 1.0)])
+
+Modules: ``formats`` (reading headers/tensors), ``convert`` (diffusers' converters, peft
+scales), ``fit`` (fit reports), ``adapter`` (read + convert + fit), ``cache`` (two-tier LRU),
+``engine`` (exact-merge activation), ``library`` (listing with fit), ``demo_adapters``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .request import LoRARequest
+
+# ids for adapters pre-loaded at start (Omni(lora_path=...)), out of the way of request ids
+PRELOAD_ID_BASE = 1 << 30
+
+
+def attach(manager, *, max_loras: int = 4, max_cpu_loras: int = 16, preload=None):
+    """Give ``manager`` a LoRA engine for its loaded pipeline; pre-load and pin ``preload`` paths."""
+    from .engine import LoRAEngine
+
+    engine = LoRAEngine(manager.pipeline, manager.denoisers(), model=manager.model_id or "model",
+                        max_loras=max_loras, max_cpu_loras=max_cpu_loras)
+    paths = [preload] if isinstance(preload, (str, Path)) else list(preload or [])
+    for i, path in enumerate(paths):
+        p = Path(path)
+        request = LoRARequest(p.name if p.is_dir() else p.stem, PRELOAD_ID_BASE + i, str(path))
+        engine.load(request, pin=True)
+        engine.preloaded.append(request)  # e.g. for `app.py generate --lora-path P`: request them by default
+    manager.lora_engine = engine
+    return engine
+
+
+def list_adapters(model: str | None = None, adapter_dirs=None, data_dir=None) -> list[dict]:
+    """The adapter library as printable rows, with each adapter's fit against ``model``."""
+    from .library import library_rows
+
+    return library_rows(model, adapter_dirs, data_dir)
+
+
+__all__ = ["LoRARequest", "attach", "list_adapters", "PRELOAD_ID_BASE"]

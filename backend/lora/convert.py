@@ -1,0 +1,193 @@
+"""Normalising any supported adapter layout to per-module LoRA factors.
+
+Non-diffusers layouts (kohya ``lora_unet_*``, lightx2v/ComfyUI ``diffusion_model.*``,
+Qwen's bare keys) go through the pipeline class's own ``lora_state_dict``, which runs
+diffusers' converters (``diffusers.loaders.lora_conversion_utils``) and bakes kohya alphas
+into the factors. PEFT folders and PEFT dumps only need their ``base_model.model.``
+prefix removed. Scales follow peft's rules (``lora_alpha / r``, ``rank_pattern`` and
+``alpha_pattern`` matched with peft's own ``get_pattern_key``; rsLoRA uses sqrt(r)).
+
+The result groups factors by the component prefix in the keys (``transformer``,
+``transformer_2``, ``text_encoder``...); binding them to modules is ``fit``'s job.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import AdapterError
+from .formats import RawAdapter
+
+# the parts of one LoRA layer, as diffusers/peft name them
+PARTS = ("lora_A.weight", "lora_B.weight", "lora_B.bias")
+
+
+@dataclass
+class LayerFactors:
+    """One target layer's factors as stored, with the adapter's own scaling for it."""
+
+    tensors: dict  # part -> tensor, part in PARTS
+    scaling: float  # lora_alpha / r for this module (1.0 when the file stores none)
+    keys: dict  # part -> the key as it will be reported (component-prefixed, diffusers naming)
+
+
+@dataclass
+class ConvertedAdapter:
+    groups: dict[str, dict[str, LayerFactors]]  # component prefix -> module path -> factors
+    unmatched: list[tuple[str, str]] = field(default_factory=list)  # (key, why) kept out of binding
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (key, why) safe to skip
+
+    @property
+    def num_keys(self) -> int:
+        return sum(len(f.tensors) for g in self.groups.values() for f in g.values()) + len(self.unmatched)
+
+
+def convert(raw: RawAdapter, pipeline_cls, default_component: str = "transformer") -> ConvertedAdapter:
+    """Factors of ``raw`` in diffusers naming, grouped by component."""
+    rec = raw.record
+    tensors = dict(raw.tensors)
+    _refuse_dora(rec, tensors)
+    ignored: list[tuple[str, str]] = []
+    unmatched: list[tuple[str, str]] = []
+    configs: dict[str, dict] = {}
+
+    if rec.format in ("peft", "peft-dump"):
+        sd = {}
+        for key, t in tensors.items():
+            k = key.removeprefix("base_model.model.").replace(".lora_A.default.", ".lora_A.")
+            k = k.replace(".lora_B.default.", ".lora_B.")
+            sd[k] = t
+        if not any(k.split(".", 1)[0] == default_component for k in sd):
+            # a folder saved from the denoiser itself carries no component prefix
+            sd = {f"{default_component}.{k}": v for k, v in sd.items()}
+        if rec.peft_config is not None:
+            configs = {default_component: rec.peft_config}
+    else:
+        if rec.format == "lightx2v":
+            tensors = _drop_norm_diffs(tensors, ignored, unmatched)
+        try:
+            sd = pipeline_cls.lora_state_dict(tensors)
+        except Exception as exc:  # noqa: BLE001 - the converters raise ValueError/KeyError/IndexError
+            detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else exc.__class__.__name__
+            raise AdapterError(f"{rec.file}: diffusers' {pipeline_cls.__name__} converter could not read this "
+                               f"{rec.format} LoRA ({detail})", param="lora_path") from None
+        if isinstance(sd, tuple):  # some loaders also return network alphas
+            sd = sd[0]
+        configs = _configs_from_metadata(rec.metadata)
+
+    groups: dict[str, dict[str, LayerFactors]] = {}
+    parts: dict[tuple[str, str], dict] = {}
+    for key, t in sd.items():
+        split = _split_key(key)
+        if split is None:
+            unmatched.append((key, "not a LoRA factor (expected <module>.lora_A.weight / lora_B.weight / lora_B.bias)"))
+            continue
+        comp, module, part = split
+        parts.setdefault((comp, module), {})[part] = t
+    for (comp, module), found in parts.items():
+        if "lora_A.weight" not in found or "lora_B.weight" not in found:
+            have = ", ".join(sorted(found))
+            for part in found:
+                unmatched.append((f"{comp}.{module}.{part}", f"incomplete layer: only {have}"))
+            continue
+        r = int(found["lora_A.weight"].shape[0])
+        config_r = _config_rank(configs.get(comp), module)
+        if config_r is not None and config_r != r:
+            for part in found:
+                unmatched.append((f"{comp}.{module}.{part}",
+                                  f"rank mismatch: the config says r={config_r}, lora_A has {r} rows"))
+            continue
+        scaling = _scaling(configs.get(comp), module, r)
+        groups.setdefault(comp, {})[module] = LayerFactors(
+            tensors=found, scaling=scaling, keys={p: f"{comp}.{module}.{p}" for p in found})
+    return ConvertedAdapter(groups=groups, unmatched=unmatched, ignored=ignored)
+
+
+def _split_key(key: str):
+    for part in PARTS:
+        suffix = "." + part
+        if key.endswith(suffix):
+            head = key[: -len(suffix)]
+            if "." not in head:
+                return None
+            comp, module = head.split(".", 1)
+            return comp, module, part
+    return None
+
+
+def _refuse_dora(rec, tensors) -> None:
+    dora = [k for k in tensors if "dora_scale" in k or "lora_magnitude_vector" in k]
+    if dora or (rec.peft_config or {}).get("use_dora"):
+        where = f"key {dora[0]!r}" if dora else "use_dora=true in adapter_config.json"
+        raise AdapterError(f"{rec.path}: DoRA adapters are not supported by the merge engine ({where})",
+                           param="lora_path")
+
+
+def _drop_norm_diffs(tensors: dict, ignored: list, unmatched: list) -> dict:
+    """lightx2v/ComfyUI files carry `.diff` keys that diffusers' converter drops.
+
+    Norm diffs are zero in published files, so skipping them changes nothing; we check
+    that rather than assume it. Other full-weight `.diff` keys would be silently lost
+    by the converter, so they are reported as unmatched instead.
+    """
+    kept = {}
+    for key, t in tensors.items():
+        if key.endswith((".diff", ".diff_b")) and "norm" in key:
+            if bool((t == 0).all()):
+                ignored.append((key, "zero norm diff (dropped by diffusers' converter; no effect)"))
+            else:
+                unmatched.append((key, "non-zero norm diff: not applied by diffusers' converter"))
+            continue
+        if key.endswith(".diff") and not key.startswith("diffusion_model.head.head"):
+            unmatched.append((key, "full-weight .diff key: not applied by diffusers' converter"))
+            continue
+        kept[key] = t
+    return kept
+
+
+def _configs_from_metadata(metadata: dict) -> dict[str, dict]:
+    """diffusers' save_lora_weights stores the LoraConfig per component as `comp.field`."""
+    raw = metadata.get("lora_adapter_metadata")
+    if not raw:
+        return {}
+    try:
+        flat = json.loads(raw)
+    except ValueError:
+        return {}
+    out: dict[str, dict] = {}
+    for key, value in flat.items():
+        if "." in key:
+            comp, name = key.split(".", 1)
+            out.setdefault(comp, {})[name] = value
+    return out
+
+
+def _config_rank(config: dict | None, module: str) -> int | None:
+    if not config or "r" not in config:
+        return None
+    from peft.utils.other import get_pattern_key
+
+    rank_pattern = config.get("rank_pattern") or {}
+    return int(rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config["r"]))
+
+
+def _scaling(config: dict | None, module: str, r_stored: int) -> float:
+    """peft's LoRA scale for one module: alpha / r (or alpha / sqrt(r) with rsLoRA)."""
+    if not config:
+        return 1.0  # diffusers' convention for files without alphas (kohya alphas are already baked in)
+    from peft.utils.other import get_pattern_key
+
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config.get("r", r_stored))
+    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha", r))
+    if config.get("use_rslora"):
+        return float(alpha) / math.sqrt(float(r))
+    return float(alpha) / float(r)
+
+
+def factors_nbytes(layer: LayerFactors) -> int:
+    return sum(t.numel() * t.element_size() for t in layer.tensors.values() if isinstance(t, torch.Tensor))
