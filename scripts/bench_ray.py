@@ -22,18 +22,9 @@ MODEL = "demo:sd3.5"
 
 
 def slot_keys(data_dir: str) -> list[tuple[str, list]]:
-    """The mixed workload's slots: the base and each demo adapter of MODEL, or (without the PEFT
-    backend) the demo models themselves, so each key still means a load on a replica."""
-    try:
-        from backend.lora import demo_adapters
-    except ImportError:
-        from backend import demo
-
-        models = ["demo:sd3.5", "demo:qwen-image", "demo:wan2.1-t2v"]
-        for m in models:
-            demo.ensure(m, data_dir)
-        return [(m, []) for m in models]
+    """The mixed workload's slots: MODEL's base and each of its demo adapters."""
     from backend import demo
+    from backend.lora import demo_adapters
 
     demo.ensure(MODEL, data_dir)
     paths = demo_adapters.for_model(MODEL, data_dir)
@@ -84,7 +75,7 @@ def main() -> None:
     data_dir = tempfile.mkdtemp(prefix="bench-ray-")
     demo.ensure(MODEL, data_dir)
     keys = slot_keys(data_dir)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     def engine(**kw):
         return RayEngine(RayEngineConfig(device="cpu", data_dir=data_dir, **kw))
@@ -110,7 +101,7 @@ def main() -> None:
                     jobs_per_replica=per_replica) as eng:
             seconds, outcomes = run_jobs(eng, mixed, clients=clients)
             costs = [o.result.metadata["engine"]["this_job"] for o in outcomes]
-            # weights read from disk: adapter loads, plus model (re)loads when slots are models
+            # weights read from disk: adapter loads, plus model (re)loads
             loads[clients, multiplex, per_replica] = sum(c["adapter_loads"] + c["model_loads"] for c in costs)
             print(f"{clients} client(s), multiplex={multiplex}, jobs_per_replica={per_replica}: {len(mixed)} mixed "
                   f"jobs over {len(keys)} slots ({args.slots} per replica): "

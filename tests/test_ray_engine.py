@@ -22,8 +22,9 @@ FAST = {"prompt": "a red fox", "seed": 3, "num_inference_steps": 2}
 
 @pytest.fixture(scope="module")
 def adapters(data_dir):
-    """Two demo adapters for MODEL, as job adapter dicts (needs the PEFT backend)."""
-    demo_adapters = pytest.importorskip("backend.lora.demo_adapters")
+    """Two demo adapters for MODEL, as job adapter dicts."""
+    from backend.lora import demo_adapters
+
     paths = demo_adapters.for_model(MODEL, data_dir)[:2]
     return {chr(ord("A") + i): {"name": p.stem, "path": str(p), "scale": 1.0} for i, p in enumerate(paths)}
 

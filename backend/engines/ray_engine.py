@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,10 +38,7 @@ from .. import errors
 from ..errors import AdapterError, AdapterNotFound, Cancelled, InvalidParameter, StudioError
 from ..lora.request import LoRARequest
 
-try:  # the PEFT backend (backend.lora.attach) gives each replica per-request adapters
-    from ..lora import attach as _peft_attach
-except ImportError:
-    _peft_attach = None
+from ..lora import attach as peft_attach
 
 APP_NAME = "lora-studio"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -158,8 +156,7 @@ class AdapterHost:
     def model_loaded(self) -> None:
         """A (re)loaded model starts with a fresh PEFT engine and nothing resident."""
         self._refs.clear()
-        if _peft_attach is not None:
-            _peft_attach(self.manager, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
+        peft_attach(self.manager, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
 
     def verify(self, ref: AdapterRef) -> None:
         p = Path(ref.path)
@@ -178,8 +175,6 @@ class AdapterHost:
     def attach(self, adapters: tuple[AdapterRef, ...]) -> None:
         for ref in adapters:
             self.verify(ref)
-        if adapters and self.manager.lora_engine is None:
-            raise StudioError("per-request LoRA adapters are not supported by this backend yet", param="adapters")
         with self.manager._lock:
             done = []
             try:
@@ -400,10 +395,15 @@ class RayEngine:
         cfg = self.config
         if not ray.is_initialized():
             if cfg.address:
+                # `ray start` turns token auth on when a token exists, but a client does not; this is
+                # what `ray start` itself calls (ray 2.60, not public API): RAY_AUTH_MODE still wins.
+                from ray._private.authentication.authentication_token_setup import (
+                    maybe_enable_token_auth_if_token_available)
+
+                maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
                 ray.init(address=cfg.address, log_to_driver=False)
             else:
-                ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False)
-                self._owns_ray = True
+                self._start_local_ray()
         serve.start(proxy_location="Disabled")  # jobs arrive through the handle, never over Serve's HTTP
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                **({"LORA_STUDIO_HOME": str(cfg.data_dir)} if cfg.data_dir else {}), **cfg.env}
@@ -417,6 +417,22 @@ class RayEngine:
         router = JobRouter.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
         self._handle = serve.run(router.bind(replicas, cfg.multiplex), name=cfg.app_name, route_prefix=None)
         return self
+
+    def _start_local_ray(self, attempts: int = 3) -> None:
+        # Ray gives a new node's raylet a fixed 30 s to register; on an overloaded host that can
+        # pass, so try again before giving up.
+        for attempt in range(1, attempts + 1):
+            try:
+                # "local": always a new private instance, even when a `ray start` cluster runs here
+                ray.init(address="local", num_cpus=self.config.num_cpus, include_dashboard=False,
+                         log_to_driver=False)
+                self._owns_ray = True
+                return
+            except Exception as exc:
+                ray.shutdown()
+                if attempt == attempts or "timed out during startup" not in str(exc):
+                    raise StudioError(f"could not start a local Ray instance: {_first_line(exc)}",
+                                      param="engine") from exc
 
     def submit(self, job: dict) -> RayJob:
         if self._handle is None:
@@ -458,7 +474,8 @@ def _first_line(exc: BaseException) -> str:
 # -- `python app.py ray-up`: a one-machine cluster -------------------------------------------------------
 def ray_up(*, port: int = 6379, num_cpus: int | None = None, num_gpus: int | None = None) -> str:
     """Start a Ray head node on this machine (``ray start --head``); returns the address to
-    pass as ``--ray-address``. Other machines join with ``ray start --address=<it>``."""
+    pass as ``--ray-address``. Other machines join with ``ray start --address=<it>``; ``ray stop``
+    ends it."""
     cmd = [_ray_cli(), "start", "--head", f"--port={port}", "--disable-usage-stats", "--include-dashboard=false"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
@@ -466,13 +483,10 @@ def ray_up(*, port: int = 6379, num_cpus: int | None = None, num_gpus: int | Non
         cmd.append(f"--num-gpus={num_gpus}")
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise StudioError(f"`{' '.join(cmd)}` failed: {_first_line(Exception(done.stderr or done.stdout))}",
-                          param="ray-up")
-    return f"127.0.0.1:{port}"
-
-
-def ray_down() -> None:
-    subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True, check=False)
+        lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
+        raise StudioError(f"`{' '.join(cmd)}` failed: {lines[-1] if lines else done.returncode}", param="ray-up")
+    joined = re.search(r"--address='([^']+)'", done.stdout + done.stderr)  # the address Ray tells nodes to join
+    return joined.group(1) if joined else f"127.0.0.1:{port}"
 
 
 def _ray_cli() -> str:
