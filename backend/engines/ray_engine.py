@@ -401,7 +401,11 @@ class RayEngine:
                     maybe_enable_token_auth_if_token_available)
 
                 maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-                ray.init(address=cfg.address, log_to_driver=False)
+                try:
+                    ray.init(address=cfg.address, log_to_driver=False)
+                except (ConnectionError, RuntimeError, ValueError) as exc:
+                    raise StudioError(f"could not join the Ray cluster at {cfg.address}: {_first_line(exc)}",
+                                      param="ray-address") from exc
             else:
                 self._start_local_ray()
         serve.start(proxy_location="Disabled")  # jobs arrive through the handle, never over Serve's HTTP
