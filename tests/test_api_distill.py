@@ -5,7 +5,6 @@ from __future__ import annotations
 import httpx
 import pytest
 
-pytest.importorskip("backend.distill", reason="needs the distill backend (branch distill) on main")
 
 from backend.api import create_app  # noqa: E402
 from backend.api.server import ThreadedServer  # noqa: E402

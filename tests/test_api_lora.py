@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-pytest.importorskip("backend.lora.engine", reason="needs the PEFT backend (branch peft) on main")
 
 from backend.api import create_app  # noqa: E402
 from backend.api.server import ThreadedServer  # noqa: E402

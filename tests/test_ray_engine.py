@@ -11,7 +11,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402
 
 from backend.engines.ray_engine import Outcome, Progress, RayEngine, RayEngineConfig  # noqa: E402
 from backend.errors import AdapterError, Cancelled  # noqa: E402

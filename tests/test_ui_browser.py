@@ -13,7 +13,7 @@ import pytest
 
 from ui_fixtures import ARTIFACTS, MODEL, app, lora_files  # noqa: F401  (fixtures)
 
-playwright = pytest.importorskip("playwright.sync_api")
+import playwright.sync_api as playwright  # noqa: E402  (after the fixtures, as before)
 expect = playwright.expect
 expect.set_options(timeout=180_000)
 CHROMIUM = Path("/usr/bin/chromium")
