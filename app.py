@@ -5,6 +5,7 @@
     python app.py generate --model M --prompt TEXT ...
     python app.py adapters [--model M]     the adapter library and how each fits M
     python app.py presets                  distill presets and which files are present
+    python app.py ray-up                   a Ray head on this machine (for serve --engine ray)
 
 Bad flags, files or values exit 2 with one line naming what is wrong.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-COMMANDS = ("serve", "generate", "adapters", "presets")
+COMMANDS = ("serve", "generate", "adapters", "presets", "ray-up")
 DEFAULT_MODEL = "demo:qwen-image"  # backend.demo.DEFAULT_MODEL, without importing torch here
 
 
@@ -43,7 +44,7 @@ def _lora(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="app.py", description="LoRA Studio: diffusion models with LoRA adapters.")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,adapters,presets}",
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,adapters,presets,ray-up}",
                                 parser_class=OneLineParser)
 
     serve = sub.add_parser("serve", help="serve the UI and the HTTP API (default)")
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-loras", type=int, default=4, metavar="N", help="adapters resident on the device")
     serve.add_argument("--max-cpu-loras", type=int, default=16, metavar="N", help="adapters held in CPU memory")
     serve.add_argument("--max-queue", type=int, default=256, metavar="N", help="queued jobs before 429")
+    serve.add_argument("--engine", choices=("local", "ray"), default="local",
+                       help="local: one worker process; ray: a Ray Serve pool of replicas (docs/scaling.md)")
+    serve.add_argument("--ray-address", metavar="ADDR",
+                       help="a running Ray cluster (see `app.py ray-up`); default: a private local one")
+    serve.add_argument("--replicas", type=int, default=1, metavar="N", help="--engine ray: pipeline replicas")
+    serve.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="G",
+                       help="--engine ray: GPUs each replica reserves")
     _lora(serve)
     _common(serve)
 
@@ -90,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     adapters = sub.add_parser("adapters", help="list the adapter library and its fit for a model")
     adapters.add_argument("--model", help="report each adapter's fit against this model")
     _common(adapters)
+
+    ray_up = sub.add_parser("ray-up", help="start a Ray head node on this machine; prints its address")
+    ray_up.add_argument("--port", type=int, default=6379)
+    ray_up.add_argument("--num-cpus", type=int, metavar="N")
+    ray_up.add_argument("--num-gpus", type=int, metavar="N")
 
     presets = sub.add_parser("presets", help="list distill presets and which files are present")
     _common(presets)
@@ -163,7 +176,8 @@ def cmd_serve(args) -> int:
     studio = Studio(args.model, data_dir=args.data_dir, adapter_dirs=args.adapter_dir,
                     lora_backend=args.lora_backend, lora_paths=args.lora_path, lora_scale=args.lora_scale,
                     preset=args.preset, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
-                    max_queue=args.max_queue, device=args.device, dtype=args.dtype)
+                    max_queue=args.max_queue, device=args.device, dtype=args.dtype, engine=args.engine,
+                    ray_address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica)
     try:
         studio.start()
         app = create_app(studio, api_key=args.api_key)
@@ -222,11 +236,22 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_ray_up(args) -> int:
+    from backend.engines.ray_engine import ray_up
+
+    address = ray_up(port=args.port, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
+    print(address)
+    print(f"serve on it: python app.py serve --engine ray --ray-address {address}; "
+          f"other machines join with: ray start --address={address}; end it with: ray stop", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     from backend.errors import StudioError
 
-    handlers = {"generate": cmd_generate, "serve": cmd_serve, "adapters": cmd_adapters, "presets": cmd_presets}
+    handlers = {"generate": cmd_generate, "serve": cmd_serve, "adapters": cmd_adapters, "presets": cmd_presets,
+                "ray-up": cmd_ray_up}
     try:
         return handlers[args.command](args)
     except StudioError as exc:

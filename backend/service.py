@@ -22,13 +22,24 @@ from .jobs.worker import WorkerConfig
 
 DEFAULT_MODEL = "demo:qwen-image"
 LORA_BACKENDS = ("peft", "distill")
+ENGINES = ("local", "ray")
 
 
 class Studio:
     def __init__(self, model: str = DEFAULT_MODEL, *, data_dir=None, adapter_dirs=(), lora_backend: str = "peft",
                  lora_paths=None, lora_scale: float = 1.0, preset: str | None = None, max_loras: int = 4,
                  max_cpu_loras: int = 16, max_queue: int = 256, max_overtake: int = 4, device: str | None = None,
-                 dtype: str | None = None, worker_threads: int | None = None, db_path=None):
+                 dtype: str | None = None, worker_threads: int | None = None, db_path=None,
+                 engine: str = "local", ray_address: str | None = None, replicas: int = 1,
+                 gpus_per_replica: float = 0.0):
+        if engine not in ENGINES:
+            raise InvalidParameter(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}", param="engine")
+        if engine == "ray" and (lora_backend != "peft" or preset):
+            raise InvalidParameter("--engine ray serves per-request PEFT adapters only; --lora-backend distill "
+                                   "and --preset need --engine local", param="engine")
+        if engine == "ray" and (replicas < 1 or gpus_per_replica < 0):
+            raise InvalidParameter(f"--replicas must be >= 1 and --gpus-per-replica >= 0, got {replicas} and "
+                                   f"{gpus_per_replica}", param="replicas" if replicas < 1 else "gpus_per_replica")
         if lora_backend not in LORA_BACKENDS:
             raise InvalidParameter(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {lora_backend!r}",
                                    param="lora_backend")
@@ -46,7 +57,17 @@ class Studio:
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
             adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]),
             env={settings.ENV_VAR: str(self.data_dir)})
-        self.supervisor = Supervisor(self.queue, self.config)
+        self.engine = engine
+        if engine == "ray":
+            from .engines.ray_engine import RayEngineConfig  # imports ray: only for --engine ray
+            from .jobs.ray_dispatch import RayDispatcher
+
+            ray_cfg = RayEngineConfig(address=ray_address, replicas=replicas, gpus_per_replica=gpus_per_replica,
+                                    device=device, dtype=dtype, data_dir=str(self.data_dir), max_loras=max_loras,
+                                    max_cpu_loras=max_cpu_loras)
+            self.supervisor = RayDispatcher(self.queue, self.config, ray_cfg)
+        else:
+            self.supervisor = Supervisor(self.queue, self.config)
         self.started_at = time.time()
         self._closed = False
 

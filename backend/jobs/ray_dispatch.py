@@ -1,0 +1,227 @@
+"""The Ray dispatcher: the Supervisor's counterpart for ``--engine ray``.
+
+It feeds jobs from the same JobQueue (``claim`` decides the order, exactly as for the local
+worker) to a ``backend.engines.ray_engine.RayEngine`` and records what comes back in the job
+row. Up to one job per replica is in flight; each in-flight job has a thread that reads its
+events (progress -> the row, the outcome -> the result file and the row). The result file is
+written here, on the head, with ``backend.outputs.save_result`` (atomic) before the row is
+marked succeeded, as the local worker does.
+
+State-changing jobs (BARRIER_KINDS) wait until every in-flight job has finished. ``load_model``
+only changes the model new jobs are tagged with: replicas load it on demand (Ray Serve routes a
+job by its model + adapters). Presets fuse weights into one process's pipeline; that has no
+meaning across a pool of replicas, so those jobs fail with a clear error.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ..errors import InvalidParameter, StudioError
+from .queue import BARRIER_KINDS, JobQueue, group_key
+from .supervisor import WorkerStartError
+from .worker import WorkerConfig
+
+log = logging.getLogger("lora_studio.jobs")
+
+
+class RayDispatcher:
+    """Same surface as Supervisor (what backend.service.Studio uses)."""
+
+    def __init__(self, queue: JobQueue, config: WorkerConfig, engine_config):
+        self.queue, self.config, self.engine_config = queue, config, engine_config
+        self.engine = None
+        self.info: dict = {}
+        self.fatal: str | None = None
+        self.restarts = 0  # nothing to restart here: Ray Serve replaces dead replicas itself
+        self.deaths: list[dict] = []
+        self._runs: dict[str, object] = {}  # job id -> RayJob, the in-flight jobs
+        self._jobs: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._group: str | None = None
+        self._step_times: list[float] = []
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, *, wait_ready: bool = True, timeout: float = 600.0) -> None:
+        """Start the Ray engine here, in the caller's thread: Ray ties its driver state (signal
+        handlers, shutdown) to the thread that called ``ray.init``. ``wait_ready`` and ``timeout``
+        are accepted for Supervisor's signature; Ray's own start-up timeouts bound this call."""
+        from ..engines.ray_engine import RayEngine
+
+        try:
+            self._set_model(self.config.model)
+            self.engine = RayEngine(self.engine_config).start()
+        except Exception as exc:
+            self.fatal = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+            self.stop()
+            raise WorkerStartError(f"the Ray engine could not start: {self.fatal}", param="engine") from exc
+        self.info["replicas"] = self.engine_config.replicas
+        self._ready.set()
+        self._thread = threading.Thread(target=self._loop, name="lora-studio-ray-dispatcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self.wake()
+        with self._lock:
+            runs = list(self._runs.values())
+        for run in runs:
+            run.cancel()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def pid(self) -> None:
+        return None  # no local worker process: the replicas are Ray actors
+
+    @property
+    def current(self) -> dict | None:
+        """One running job (the oldest in flight), as Supervisor.current."""
+        with self._lock:
+            return next(iter(self._jobs.values()), None)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def cancel_running(self, job_id: str) -> None:
+        with self._lock:
+            run = self._runs.get(job_id)
+        if run is not None:
+            run.cancel()
+
+    def control(self, msg: dict) -> None:
+        # Replicas load an adapter per job from its path (checked by sha256) and free it when their
+        # slot is evicted; a deleted or unregistered adapter is simply never asked for again.
+        log.info("ray engine: control %r ignored: replicas manage adapter residency per job",
+                 msg.get("op"))
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._dispatch()
+            except Exception:  # never let the dispatcher die: log and go on
+                log.exception("ray dispatcher error")
+                time.sleep(0.5)
+            self._wake.wait(1.0)
+            self._wake.clear()
+
+    def _dispatch(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                if len(self._runs) >= max(1, self.engine_config.replicas):
+                    return
+            job = self.queue.claim(self._group)
+            if job is None:
+                return
+            if job["kind"] in BARRIER_KINDS:
+                self._drain()
+                self._barrier(job)
+                continue
+            self._group = group_key(job["model"], job["adapters"], job["preset"])
+            self._submit(job)
+
+    def _submit(self, job: dict) -> None:
+        try:
+            run = self.engine.submit({"id": job["id"], "model": job["model"] or self.info["model"],
+                                      "params": job["params"], "adapters": job["adapters"]})
+        except StudioError as exc:
+            self._fail(job["id"], exc)
+            return
+        with self._lock:
+            self._runs[job["id"]], self._jobs[job["id"]] = run, job
+        if self.queue.cancel_requested(job["id"]):  # cancelled between claim and submit
+            run.cancel()
+        threading.Thread(target=self._follow, args=(job, run), name=f"ray-job-{job['id']}", daemon=True).start()
+
+    def _follow(self, job: dict, run) -> None:
+        from ..engines.ray_engine import Outcome
+
+        job_id = job["id"]
+        last = time.perf_counter()
+        try:
+            for event in run.events():
+                if not isinstance(event, Outcome):
+                    now = time.perf_counter()
+                    self._step_times = (self._step_times + [now - last])[-200:]
+                    last = now
+                    self.queue.progress(job_id, event.step, event.total)
+                elif event.status == "succeeded":
+                    self._succeed(job_id, event.result)
+                elif event.status == "cancelled":
+                    self.queue.finish(job_id, "cancelled", error="cancelled while running")
+                else:
+                    self._fail(job_id, event.error)
+        except Exception as exc:  # e.g. the result file could not be written
+            log.exception("ray job %s", job_id)
+            self._fail(job_id, exc)
+        finally:
+            with self._lock:
+                self._runs.pop(job_id, None)
+                self._jobs.pop(job_id, None)
+            if self._step_times:
+                self.info["seconds_per_step"] = sum(self._step_times) / len(self._step_times)
+            self.wake()
+
+    def _succeed(self, job_id: str, result) -> None:
+        from ..outputs import save_result
+
+        result.metadata["job_id"] = job_id  # metadata["engine"] names the replica that ran it
+        path = save_result(result, data_dir=self.config.data_dir)
+        self.queue.finish(job_id, "succeeded", result={"path": str(path), "metadata": result.metadata})
+
+    def _fail(self, job_id: str, exc: BaseException) -> None:
+        if isinstance(exc, StudioError):
+            message, detail = exc.message, {"status": exc.http_status, "type": exc.kind, "param": exc.param}
+        else:
+            message = f"{type(exc).__name__}: {exc}"
+            detail = {"status": 500, "type": "server_error", "param": None}
+        self.queue.finish(job_id, "failed", error=message, error_detail=detail)
+
+    def _drain(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                if not self._runs:
+                    return
+            self._wake.wait(0.2)
+            self._wake.clear()
+
+    def _barrier(self, job: dict) -> None:
+        try:
+            if job["kind"] != "load_model":
+                raise InvalidParameter(f"{job['kind']} is not available with --engine ray: presets fuse weights "
+                                       "into one process's pipeline; use --engine local", param="preset")
+            self._set_model(job["model"])
+        except StudioError as exc:
+            self._fail(job["id"], exc)
+            return
+        self._group = None
+        self.queue.finish(job["id"], "succeeded", result={"model": job["model"]})
+
+    def _set_model(self, model_id: str) -> None:
+        """What the local worker reports about its model, read from the model's directory (on the
+        head, which also builds a demo model once here rather than in every replica)."""
+        from ..models import resolve_model, spec_for
+
+        resolved = resolve_model(model_id, self.config.data_dir)
+        spec = spec_for(resolved.class_name)
+        cfg = self.engine_config
+        self.info.update({
+            "model": model_id, "preset": None, "fused": {"state": "base", "preset": None},
+            "pipeline": spec.class_name, "device": cfg.device or ("cuda" if cfg.gpus_per_replica else "cpu"),
+            "dtype": cfg.dtype, "lora_backend": "peft", "engine": "ray",
+            "spec": {"pipeline": spec.class_name, "output": spec.output, "mode": spec.mode,
+                     "fields": sorted(spec.fields), "denoisers": list(spec.denoisers),
+                     "defaults": {**spec.defaults, **resolved.defaults}}})
