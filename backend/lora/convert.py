@@ -16,8 +16,6 @@ import json
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from ..errors import AdapterError
 from .formats import RawAdapter
 
@@ -188,6 +186,3 @@ def _scaling(config: dict | None, module: str, r_stored: int) -> float:
         return float(alpha) / math.sqrt(float(r))
     return float(alpha) / float(r)
 
-
-def factors_nbytes(layer: LayerFactors) -> int:
-    return sum(t.numel() * t.element_size() for t in layer.tensors.values() if isinstance(t, torch.Tensor))

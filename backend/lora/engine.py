@@ -356,7 +356,7 @@ class LoRAEngine:
         return {"name": entry.name, "int_id": entry.int_id, "path": str(entry.record.path),
                 "sha256": entry.record.sha256, "format": entry.record.format, "scale": scale}
 
-    def pristine_checksum_bytes(self) -> int:
+    def pristine_bytes(self) -> int:
         return sum(s.nbytes() for s in self._snapshots.values())
 
     def stats(self) -> dict:
@@ -368,7 +368,7 @@ class LoRAEngine:
             tiers["cpu"]["adapters"] = [names[k] for k in self.cache.cpu.keys()]
             return {"tiers": tiers, "pinned": sorted(names.get(k, str(k)) for k in self.cache.pinned),
                     "active": self.active, "counters": dict(self.counters),
-                    "merged_layers": len(self._merged), "pristine_bytes": self.pristine_checksum_bytes()}
+                    "merged_layers": len(self._merged), "pristine_bytes": self.pristine_bytes()}
 
 
 def _finite(value) -> float:
