@@ -38,7 +38,10 @@ def test_listing_shows_fit_for_the_model(library, data_dir, tmp_path):
 
 def test_listing_without_model_has_no_fit(library, data_dir):
     rows = list_adapters(None, data_dir=data_dir)
-    assert rows and all("fit" not in r for r in rows)
+    # other tests in the session may drop unreadable files into the shared library for a
+    # while; those are listed as refused, every readable adapter carries no fit
+    readable = [r for r in rows if r["format"] != "-"]
+    assert readable and all("fit" not in r for r in readable)
     assert {r["format"] for r in rows} >= {"peft", "peft-dump", "diffusers", "kohya", "lightx2v"}
 
 
