@@ -167,7 +167,7 @@ class PipelineManager:
                                             on_step=on_step, cancel=cancel)
             params = self.validate(request, defaults)
             if adapters and self.lora_engine is None:
-                raise StudioError("per-request LoRA adapters are not supported by this backend yet",
+                raise StudioError("this pipeline manager has no LoRA engine attached (backend.lora.attach)",
                                   param="lora_request")
             started = time.time()
             applied = self.lora_engine.activate(adapters or []) if self.lora_engine is not None else []
