@@ -66,10 +66,12 @@ def build(studio):
     refresh.click(listing, None, outs, api_visibility="private")
 
     def show(name):
+        # leave the status alone unless the detail fails: a listing refresh changes the
+        # dropdown's choices, and clearing here would wipe the import/pin message it shows
         if not name:
-            return None, ""
+            return None, gr.update()
         try:
-            return studio.adapter_detail(name), ""
+            return studio.adapter_detail(name), gr.update()
         except Exception as exc:
             return None, error_html(readable(exc))
 
