@@ -54,13 +54,16 @@ def build(studio):
             name = gr.Textbox(label="Name (default: the file name)", elem_id="adapters-name")
             do_import = gr.Button("Import", variant="primary", elem_id="adapters-import")
 
-    def listing(message: str = ""):
+    def listing(message: str | None = None):
+        # a plain refresh (tab opened, Refresh) keeps the status line: it may still be
+        # showing the answer to an import that finished while the table was loading
         try:
             adapters, where = studio.adapters(), views.tiers_of(studio.system())
         except Exception as exc:
             return [gr.update(), gr.update(), error_html(readable(exc))]
         names = [a["name"] for a in adapters]
-        return [views.adapter_rows(adapters, where), gr.update(choices=names), message]
+        return [views.adapter_rows(adapters, where), gr.update(choices=names),
+                gr.update() if message is None else message]
 
     outs = [table, selected, status]
     refresh.click(listing, None, outs, api_visibility="private")
