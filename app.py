@@ -40,6 +40,11 @@ def _lora(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", metavar="ID", help="a distill preset from presets/ (see `app.py presets`)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--offload", choices=("none", "model", "group"), default="none",
+                   help="MiniMax-H3: model = whole components CPU<->GPU, group = transformer blocks on demand "
+                        "(docs/minimax.md)")
+    p.add_argument("--offload-stream", action="store_true",
+                   help="--offload group: prefetch the next block on a CUDA stream")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +139,8 @@ def cmd_generate(args) -> int:
 
     omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
                 lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
-                data_dir=args.data_dir, adapter_dirs=args.adapter_dir)
+                data_dir=args.data_dir, adapter_dirs=args.adapter_dir, offload=args.offload,
+                offload_stream=args.offload_stream)
     if args.preset:
         omni.apply_preset(args.preset)  # fuses its files; its sampling defaults fill unset flags
     fields = {field: getattr(args, flag) for flag, field in GENERATION_FLAGS.items()
@@ -177,7 +183,8 @@ def cmd_serve(args) -> int:
                     lora_backend=args.lora_backend, lora_paths=args.lora_path, lora_scale=args.lora_scale,
                     preset=args.preset, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                     max_queue=args.max_queue, device=args.device, dtype=args.dtype, engine=args.engine,
-                    ray_address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica)
+                    ray_address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
+                    offload=args.offload, offload_stream=args.offload_stream)
     try:
         studio.start()
         app = create_app(studio, api_key=args.api_key)

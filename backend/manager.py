@@ -18,6 +18,7 @@ import torch
 
 from . import params as param_rules
 from .errors import Cancelled, CorruptModel, InvalidParameter, StudioError, UnsupportedModel
+from .minimax import offload as offload_policy
 from .models import resolve_model, spec_for
 from .models.registry import PipelineSpec
 
@@ -70,9 +71,12 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
 
 
 class PipelineManager:
-    def __init__(self, *, device: str | None = None, dtype: str | None = None, data_dir=None):
+    def __init__(self, *, device: str | None = None, dtype: str | None = None, data_dir=None,
+                 offload=None, offload_stream: bool = False):
         quiet_libraries()
+        self.offload = offload_policy.check(offload, stream=offload_stream)  # MiniMax-H3 only (load() says so)
         self.device = pick_device(device)
+        offload_policy.check_device(self.offload, self.device)
         self.dtype = pick_dtype(dtype, self.device)
         self.data_dir = data_dir
         self.model_id: str | None = None
@@ -93,11 +97,12 @@ class PipelineManager:
         with self._lock:
             resolved = resolve_model(model_id, self.data_dir)
             spec = spec_for(resolved.class_name)
+            offload_policy.check_model(self.offload, spec.class_name)
             minimax = None
             if spec.class_name == "MiniMaxH3ModularPipeline":  # modular: its own loading and run
                 from .minimax.runtime import MiniMaxRuntime
 
-                minimax = MiniMaxRuntime(resolved.path, device=self.device, dtype=self.dtype)
+                minimax = MiniMaxRuntime(resolved.path, device=self.device, dtype=self.dtype, offload=self.offload)
                 pipeline = minimax.pipe
             else:
                 pipeline = self._from_pretrained(resolved)

@@ -37,7 +37,7 @@ class Omni:
     def __init__(self, model: str = DEFAULT_MODEL, lora_path=None, lora_backend: str = "peft",
                  lora_scale: float = 1.0, max_loras: int = 4, max_cpu_loras: int = 16,
                  device: str | None = None, dtype: str | None = None, data_dir=None, adapter_dirs=None,
-                 **kwargs):
+                 offload: str = "none", offload_stream: bool = False, **kwargs):
         if kwargs:
             raise InvalidParameter(f"Omni() got unknown argument {sorted(kwargs)[0]!r}", param=sorted(kwargs)[0])
         if lora_backend not in LORA_BACKENDS:
@@ -48,12 +48,14 @@ class Omni:
         self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
         self.data_dir = data_dir
         self.adapter_dirs = list(adapter_dirs or [])
-        self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir)
+        # offload: "none" | "model" | "group" (MiniMax-H3; docs/minimax.md, "Offload")
+        self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir, offload=offload,
+                                       offload_stream=offload_stream)
         self.manager.load(model)
         self.model = model
         self.lora = None
         if self.manager.minimax is not None:  # MiniMax-H3: its runtime reads adapters (contracts, qkv reorder)
-            self.manager.minimax.start(lora_backend, lora_path)
+            self.manager.minimax.start(lora_backend, lora_path)  # fuses (distill), then applies offload
         else:
             from .lora import attach
 

@@ -19,6 +19,7 @@ from .jobs.adapters import AdapterResolver
 from .jobs.queue import FINISHED, JobQueue
 from .jobs.supervisor import Supervisor
 from .jobs.worker import WorkerConfig
+from .minimax import offload as offload_policy
 
 DEFAULT_MODEL = "demo:qwen-image"
 LORA_BACKENDS = ("peft", "distill")
@@ -31,7 +32,7 @@ class Studio:
                  max_cpu_loras: int = 16, max_queue: int = 256, max_overtake: int = 4, device: str | None = None,
                  dtype: str | None = None, worker_threads: int | None = None, db_path=None,
                  engine: str = "local", ray_address: str | None = None, replicas: int = 1,
-                 gpus_per_replica: float = 0.0):
+                 gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False):
         if engine not in ENGINES:
             raise InvalidParameter(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}", param="engine")
         if engine == "ray" and (lora_backend != "peft" or preset):
@@ -43,6 +44,8 @@ class Studio:
         if lora_backend not in LORA_BACKENDS:
             raise InvalidParameter(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {lora_backend!r}",
                                    param="lora_backend")
+        plan = offload_policy.check(offload, stream=offload_stream)  # the flags, before a worker starts
+        offload_policy.check_engine(plan, engine)
         self.data_dir = settings.data_dir(data_dir)
         self.model = model
         self.lora_backend = lora_backend
@@ -55,8 +58,8 @@ class Studio:
             model=model, data_dir=str(self.data_dir), device=device, dtype=dtype, lora_backend=lora_backend,
             lora_paths=tuple(str(p) for p in lora_paths), lora_scale=float(lora_scale), preset=preset,
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
-            adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]),
-            env={settings.ENV_VAR: str(self.data_dir)})
+            adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]), offload=plan.mode,
+            offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)})
         self.engine = engine
         if engine == "ray":
             from .engines.ray_engine import RayEngineConfig  # imports ray: only for --engine ray

@@ -120,10 +120,29 @@ def test_base_model_without_contract_uses_request_values():
     assert C.plan({}, None, default_steps=30).steps == 30
 
 
-def test_offload_policy_refuses_group_with_peft_naming_flags():
-    with pytest.raises(InvalidParameter) as err:
-        offload.check("group", "peft")
-    assert "--offload group" in err.value.message and "--lora-backend peft" in err.value.message
-    assert offload.check("group", "distill") == "group"
-    assert offload.check("model", "peft") == "model"
-    assert offload.check(None, "peft") == "none"
+def test_offload_flags_allowed_and_refused_by_name():
+    import torch
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # Allowed: every mode with both backends (the policy does not depend on --lora-backend; docs/minimax.md).
+    assert offload.check(None) == offload.OffloadPlan("none", False)
+    assert offload.check("model") == offload.OffloadPlan("model", False)
+    assert offload.check("group", stream=True) == offload.OffloadPlan("group", True)
+    offload.check_device(offload.check("group"), cpu)  # group without streams runs on CPU (onload = cpu)
+    for plan in (offload.check("model"), offload.check("group", stream=True)):
+        offload.check_device(plan, cuda)
+    # Refused, each naming the flags that conflict.
+    refusals = [
+        (lambda: offload.check("sequential"), ("--offload", "sequential")),
+        (lambda: offload.check("model", stream=True), ("--offload-stream", "--offload model")),
+        (lambda: offload.check(None, stream=True), ("--offload-stream", "--offload none")),
+        (lambda: offload.check_device(offload.check("model"), cpu), ("--offload model", "CUDA", "--device cpu")),
+        (lambda: offload.check_device(offload.check("group", stream=True), cpu), ("--offload-stream", "CUDA")),
+        (lambda: offload.check_model(offload.check("group"), "WanPipeline"), ("--offload group", "WanPipeline")),
+        (lambda: offload.check_engine(offload.check("model"), "ray"), ("--offload model", "--engine ray")),
+    ]
+    for call, words in refusals:
+        with pytest.raises(InvalidParameter) as err:
+            call()
+        assert err.value.http_status == 400 and all(w in err.value.message for w in words), err.value.message
+    offload.check_model(offload.check("none"), "WanPipeline")  # no offload: any model

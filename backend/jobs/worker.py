@@ -35,6 +35,8 @@ class WorkerConfig:
     max_loras: int = 4
     max_cpu_loras: int = 16
     adapter_dirs: tuple = ()
+    offload: str = "none"  # MiniMax-H3: none | model | group (backend/minimax/offload.py)
+    offload_stream: bool = False
     threads: int | None = None  # torch CPU threads (None: torch's default)
     env: dict = field(default_factory=dict)
 
@@ -44,7 +46,8 @@ class _Worker:
         from backend.manager import PipelineManager
 
         self.conn, self.cancel, self.config = conn, cancel, config
-        self.manager = PipelineManager(device=config.device, dtype=config.dtype, data_dir=config.data_dir)
+        self.manager = PipelineManager(device=config.device, dtype=config.dtype, data_dir=config.data_dir,
+                                       offload=config.offload, offload_stream=config.offload_stream)
         self.engine = None
         self.preset: str | None = None
         self.step_times: list[float] = []

@@ -97,7 +97,8 @@ def studio_blocks():
 
 
 def load(path: str | Path, *, device, dtype, task_type: str = "t2va"):
-    """`MiniMaxH3ModularPipeline` from a repository, with only the partition `task_type` needs loaded."""
+    """`MiniMaxH3ModularPipeline` from a repository, with only the partition `task_type` needs loaded.
+    `device=None` leaves it in CPU memory (an offload plan places it later)."""
     from diffusers import MiniMaxH3ModularPipeline
 
     from .processor import load_processor
@@ -109,7 +110,8 @@ def load(path: str | Path, *, device, dtype, task_type: str = "t2va"):
     pipe.load_components(names=list(SHARED), dtype=dtype)
     pipe.update_components(processor=load_processor(Path(path) / "processor"))
     ensure_partition(pipe, task_type, dtype=dtype)
-    pipe.to(device)
+    if device is not None:
+        pipe.to(device)
     pipe.set_progress_bar_config(disable=True)  # progress is reported through the ProgressStep
     return pipe
 
@@ -118,13 +120,14 @@ def loaded_partitions(pipe) -> set[str]:
     return {p for p in ("transformer", "transformer_ref") if getattr(pipe, p, None) is not None}
 
 
-def ensure_partition(pipe, task_type: str, *, dtype, device=None) -> str:
-    """Load the partition a task denoises with (the repository holds both; a workflow loads its own)."""
+def ensure_partition(pipe, task_type: str, *, dtype, place=None) -> str:
+    """Load the partition a task denoises with (the repository holds both; a workflow loads its own).
+    `place(name, module)` puts a newly loaded partition where the others are (device or offload hooks)."""
     partition = PARTITION[task_type]
     if getattr(pipe, partition, None) is None:
         pipe.load_components(names=[partition], dtype=dtype)
-        if device is not None:
-            getattr(pipe, partition).to(device)
+        if place is not None:
+            place(partition, getattr(pipe, partition))
     return partition
 
 

@@ -8,6 +8,9 @@ Adapters:
   to its partition under `name`; a request activates a list of (name, scale) with `set_adapters` on that
   partition and every other adapter off; no adapter = base model (LoRA layers disabled).
 - distill: `fuse(paths)` once at start: each file fused into its partition, then the LoRA layers dropped.
+
+Offload (`offload.py`): checked at construction, applied by `ready()` after start-time fusing (`start()` ends with
+it; the server's worker, which never calls `start()`, reaches it on its first generation).
 """
 
 from __future__ import annotations
@@ -32,25 +35,26 @@ class Generated:
 
 
 class MiniMaxRuntime:
-    def __init__(self, path, *, device, dtype, lora_backend: str = "peft", offload: str | None = None,
-                 task_type: str = "t2va"):
-        self.offload = offload_policy.check(offload, lora_backend)
-        if self.offload != "none":
-            # The policy is decided and enforced; applying offload on CUDA is left to a GPU session.
-            raise InvalidParameter(f"--offload {self.offload} is not implemented for MiniMax-H3 yet",
-                                   param="offload")
-        self.path = Path(path)
+    def __init__(self, path, *, device, dtype, lora_backend: str = "peft", offload=None, task_type: str = "t2va"):
         self.device, self.dtype, self.lora_backend = torch.device(device), dtype, lora_backend
+        plan = offload_policy.check(offload)
+        offload_policy.check_device(plan, self.device)
+        self.offloader = offload_policy.Offloader(plan, self.device)
+        self.path = Path(path)
         self.index = contracts.read_index(self.path)
         self.checkpoint_contract = contracts.checkpoint_contract(self.path, self.index)
-        self.pipe = mp.load(self.path, device=self.device, dtype=dtype, task_type=task_type)
+        # With offload the weights stay in CPU memory until `ready()` applies it (after any distill fusing).
+        self.pipe = mp.load(self.path, device=None if plan.active else self.device, dtype=dtype, task_type=task_type)
         self.adapters: dict[str, MiniMaxAdapter] = {}
         self.fused: list[MiniMaxAdapter] = []
         self._lock = threading.RLock()
 
-    def start(self, lora_backend: str, lora_path=None, offload: str | None = None) -> None:
-        """Start-time adapters (Omni(lora_path=...)): distill fuses them, peft binds them (inactive)."""
-        self.offload = offload_policy.check(offload, lora_backend)
+    @property
+    def offload(self) -> offload_policy.OffloadPlan:
+        return self.offloader.plan
+
+    def start(self, lora_backend: str, lora_path=None) -> None:
+        """Start-time adapters (Omni(lora_path=...)): distill fuses them, peft binds them (inactive); then offload."""
         self.lora_backend = lora_backend
         paths = [lora_path] if isinstance(lora_path, (str, Path)) else list(lora_path or [])
         if lora_backend == "distill":
@@ -58,6 +62,15 @@ class MiniMaxRuntime:
         else:
             for path in paths:
                 self.load_adapter(Path(path).stem, path)
+        self.ready()
+
+    def ready(self) -> None:
+        """Apply the offload plan, once: after start-time fusing, before the first generation."""
+        with self._lock:
+            self.offloader.apply(self.pipe)
+
+    def _ensure_partition(self, task_type: str) -> str:
+        return mp.ensure_partition(self.pipe, task_type, dtype=self.dtype, place=self.offloader.place)
 
     # -- adapters ----------------------------------------------------------------------------------------
     def _heads(self, partition: str) -> tuple[int, int]:
@@ -78,8 +91,7 @@ class MiniMaxRuntime:
         return read_adapter(path, num_heads=heads, head_dim=head_dim)
 
     def _bind(self, adapter: MiniMaxAdapter, name: str) -> None:
-        task = adapter.tasks[0]
-        mp.ensure_partition(self.pipe, task, dtype=self.dtype, device=self.device)
+        self._ensure_partition(adapter.tasks[0])
         self.pipe.load_lora_weights(dict(adapter.state_dict), adapter_name=name,
                                     load_into_transformer_ref=adapter.partition == "transformer_ref")
         module = getattr(self.pipe, adapter.partition)
@@ -110,6 +122,10 @@ class MiniMaxRuntime:
 
     def fuse(self, paths) -> list[MiniMaxAdapter]:
         """Distill: fuse each file into its partition once (scale 1), then drop the LoRA layers."""
+        if self.offloader.applied and self.offload.active:
+            # The policy's consistency argument for offload rests on fusing before its hooks exist.
+            raise AdapterError(f"distill files are fused at start, before {self.offload.flags()} is applied; "
+                               "fusing later is not supported", param="lora_path")
         for i, path in enumerate(paths):
             adapter = self.read(path)
             name = f"distill_{i}"
@@ -144,6 +160,7 @@ class MiniMaxRuntime:
     def generate(self, params: dict, *, adapters=(), on_step=None, cancel=None, default_steps=None) -> Generated:
         """`adapters`: (name, path, scale) triples; `params`: validated generation fields."""
         with self._lock:
+            self.ready()  # a runtime built without start() (the server's worker) offloads here
             active = []
             for name, path, scale in adapters:
                 if not isinstance(scale, (int, float)):
@@ -163,7 +180,7 @@ class MiniMaxRuntime:
                     raise ContractViolation(
                         f"{adapter.path.name} is fused into {adapter.partition}; task_type {plan.task_type!r} "
                         f"denoises with {partition}", param="task_type")
-            mp.ensure_partition(self.pipe, plan.task_type, dtype=self.dtype, device=self.device)
+            self._ensure_partition(plan.task_type)
             self._activate(active, partition)
             generator = torch.Generator(device="cpu").manual_seed(int(params["seed"]))
             try:
