@@ -114,6 +114,12 @@ def test_group_offload_with_peft_adapters_matches_no_offload(repo, tmp_path, onl
     grouped.unload_adapter("turbo")
     assert same(run(grouped), base)
 
+    # The premise of --offload-stream's consistency (onload copies from pinned copies taken when the hooks are
+    # applied): switching adapters on and off around generations writes no parameter, base or LoRA.
+    snapshot = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
+    run(grouped, [("style", str(other), 0.5)]), run(grouped)
+    assert all(torch.equal(p, snapshot[n]) for n, p in pipe.transformer.named_parameters())
+
 
 def test_distill_fuses_before_group_offload_and_refuses_after(repo, tmp_path):
     from diffusers.hooks.group_offloading import _is_group_offload_enabled
@@ -135,15 +141,30 @@ def test_distill_fuses_before_group_offload_and_refuses_after(repo, tmp_path):
     assert "--offload group" in err.value.message
 
 
-def test_manager_builds_offloaded_runtime_and_cli_refuses_by_flag(data_dir, capsys):
-    import app
+def test_omni_and_manager_paths_apply_offload(data_dir, tmp_path):
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+    from backend import Omni
     from backend.manager import PipelineManager
 
+    # Omni: start() fuses the distill file, then applies the offload plan.
+    path = tmp_path / "minimax_h3_fl2v_turbo_2step_v1.0.safetensors"
+    save_file(lora(5), str(path))
+    omni = Omni(model="demo:minimax-h3", lora_backend="distill", lora_path=str(path), offload="group", device="cpu",
+                data_dir=data_dir)
+    rt = omni.manager.minimax
+    assert rt.offloader.applied and _is_group_offload_enabled(rt.pipe.transformer) and rt.fused
+    assert omni.generate(prompt=PROMPT, seed=1)[0].metadata["params"]["fused"] == [path.name]
+    # The server's worker builds a manager and never calls start(): the first generation applies the plan.
     m = PipelineManager(device="cpu", data_dir=data_dir, offload="group")
     m.load("demo:minimax-h3")
-    assert m.minimax.offload.mode == "group"
+    assert not m.minimax.offloader.applied
     result = m.generate({"prompt": PROMPT, "seed": 1, "num_inference_steps": 2})
-    assert len(result.frames) == 124 and m.minimax.offloader.applied
+    assert len(result.frames) == 124 and _is_group_offload_enabled(m.minimax.pipe.transformer)
+
+
+def test_cli_refuses_conflicting_offload_flags(capsys):
+    import app
 
     for argv, words in (
         (["--offload", "model"], ("--offload model", "CUDA")),
