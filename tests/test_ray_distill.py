@@ -7,8 +7,12 @@ qwen-image-2512-lightning-4step preset (its demo stand-in file). Slow to start; 
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import httpx
 
 import numpy as np
 import pytest
@@ -25,6 +29,7 @@ MODEL = "demo:qwen-image"
 PRESET = "qwen-image-2512-lightning-4step"
 OTHER = "qwen-image-2512-lightning-8step"
 PROMPT = "a lighthouse at dusk"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- the head's side: no cluster ------------------------------------------------------------------
@@ -57,6 +62,14 @@ def test_a_node_without_the_demo_standin_builds_the_same_bytes(data_dir):
     Path(ref.path).unlink()  # what a fresh node sees
     _standin_on_this_node(plan, ref, "transformer", data_dir)
     assert file_sha256(Path(ref.path)) == ref.sha256
+
+
+def test_serve_with_a_preset_for_another_pipeline_exits_2_naming_it(data_dir):
+    r = subprocess.run([sys.executable, "app.py", "serve", MODEL, "--engine", "ray", "--preset",
+                        "wan2.1-t2v-lightx2v-4step", "--data-dir", str(data_dir), "--device", "cpu"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "'wan2.1-t2v-lightx2v-4step' is for WanPipeline" in r.stderr
 
 
 # -- the deployment ---------------------------------------------------------------------------------
@@ -155,6 +168,23 @@ def test_per_request_adapters_run_on_top_of_the_fused_base_as_locally(studio, lo
     plain = local.generate({"prompt": PROMPT, "seed": 9})
     assert not np.array_equal(np.asarray(want.images[0]), np.asarray(plain.images[0]))  # the adapter acts
     assert np.array_equal(_pixels(job), np.asarray(want.images[0].convert("RGB")))
+
+
+def test_over_http_the_contract_is_422_and_metrics_report_the_fused_preset(studio, local):
+    from backend.api import create_app
+    from backend.api.server import ThreadedServer
+
+    srv = ThreadedServer(create_app(studio)).start()
+    try:
+        r = httpx.post(f"{srv.url}/v1/images/generations", timeout=120,
+                       json={"prompt": "x", "extra_body": {"num_inference_steps": 8}})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["param"] == "num_inference_steps" and PRESET in r.json()["error"]["message"]
+        system = httpx.get(f"{srv.url}/metrics", timeout=30).json()
+    finally:
+        srv.stop()
+    assert system["preset"] == PRESET and system["fused"]["preset"] == PRESET
+    assert [f["sha256"] for f in system["fused"]["files"]] == [f["sha256"] for f in local.fused_state()["files"]]
 
 
 def test_a_run_time_preset_switch_is_refused_naming_the_start_flag(studio):
