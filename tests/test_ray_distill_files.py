@@ -83,3 +83,22 @@ def test_breaking_the_contract_or_asking_for_a_lora_is_refused_by_name(engine, l
                              "adapters": [{"name": "extra", "path": files[0]}]}).wait()
     assert outcome.status == "failed" and isinstance(outcome.error, InvalidParameter)
     assert outcome.error.param == "lora" and "distill" in outcome.error.message
+
+
+def test_a_node_copy_that_differs_from_the_heads_stops_the_deployment_naming_it(engine, files, data_dir):
+    """The head hashed one file, the node holds another (stale rsync): the replica refuses to
+    fuse it, and starting says why. A second app on the same cluster, replicas needing no CPU."""
+    import dataclasses
+
+    from backend.errors import StudioError
+
+    plan = DistillPlan.resolve(MODEL, lora_paths=files, data_dir=data_dir)
+    stale = dataclasses.replace(plan, files=(dataclasses.replace(plan.files[0], sha256="0" * 64), plan.files[1]))
+    bad = RayEngine(RayEngineConfig(replicas=1, cpus_per_replica=0, device="cpu", data_dir=str(data_dir),
+                                    lora_backend="distill", distill=stale, app_name="lora-studio-stale"))
+    with pytest.raises(StudioError) as err:
+        bad.start()
+    message = err.value.message
+    assert files[0] in message and "on node" in message and "sha256" in message and "0000000000000000" in message
+    outcome = engine.submit({"id": "wan-2", "model": MODEL, "params": PARAMS}).wait()  # the good app serves on
+    assert outcome.status == "succeeded", outcome.error

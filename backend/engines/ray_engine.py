@@ -217,19 +217,19 @@ class AdapterHost:
         if peft:
             peft_attach(self.manager, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
 
-    def verify(self, ref: AdapterRef) -> None:
+    def verify(self, ref: AdapterRef, what: str = "adapter", wanted_by: str = "the job") -> None:
         p = Path(ref.path)
         node = ray.get_runtime_context().get_node_id()[:12]
         if not p.exists():
-            raise AdapterError(f"adapter {ref.name!r}: {p} is missing on node {node} "
+            raise AdapterError(f"{what} {ref.name!r}: {p} is missing on node {node} "
                                "(mount the adapter library on every node or copy it there)", param="path")
         stat = p.stat()
         key = (str(p), stat.st_mtime_ns, stat.st_size)
         if key not in self._hashes:
             self._hashes[key] = adapter_sha256(p)
         if self._hashes[key] != ref.sha256:
-            raise AdapterError(f"adapter {ref.name!r}: {p} on node {node} has sha256 {self._hashes[key][:16]}..., "
-                               f"the job expects {ref.sha256[:16]}... (stale or partial copy)", param="path")
+            raise AdapterError(f"{what} {ref.name!r}: {p} on node {node} has sha256 {self._hashes[key][:16]}..., "
+                               f"{wanted_by} expects {ref.sha256[:16]}... (stale or partial copy)", param="path")
 
     def attach(self, adapters: tuple[AdapterRef, ...]) -> None:
         if adapters and self.manager.lora_engine is None:
@@ -318,7 +318,7 @@ class GenerationReplica:
         """The deployment's distill files, checked on this node by sha256, fused by the manager."""
         for ref, component in zip(plan.files, plan.components):
             _standin_on_this_node(plan, ref, component, self.manager.data_dir)
-            self.host.verify(ref)  # never fuse a stale or half-copied file
+            self.host.verify(ref, "distill file", "the head")  # never fuse a stale or half-copied file
         paths = [ref.path for ref in plan.files]
         if plan.preset:
             self.manager.apply_preset(plan.preset, paths=paths)
@@ -518,8 +518,27 @@ class RayEngine:
         replicas = GenerationReplica.options(num_replicas=cfg.replicas, ray_actor_options=actor,
                                              max_ongoing_requests=cfg.jobs_per_replica).bind(settings)
         router = JobRouter.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
-        self._handle = serve.run(router.bind(replicas, cfg.multiplex), name=cfg.app_name, route_prefix=None)
+        try:
+            self._handle = serve.run(router.bind(replicas, cfg.multiplex), name=cfg.app_name, route_prefix=None)
+        except RuntimeError as exc:  # replicas kept failing in their constructor (e.g. a distill file)
+            reason = self._replica_failure() or _first_line(exc)
+            self._teardown()
+            raise StudioError(f"the Ray replicas could not start: {reason}", param="engine") from exc
         return self
+
+    def _replica_failure(self) -> str | None:
+        """The last line of the error a replica's constructor raised, as Serve recorded it
+        (serve.run itself only says that the deployment failed)."""
+        try:
+            app = serve.status().applications.get(self.config.app_name)
+            message = app.deployments[GenerationReplica.name].message if app else ""
+        except Exception:  # noqa: BLE001 - no status: the caller falls back to Serve's own line
+            return None
+        lines = [ln.strip() for ln in (message or "").splitlines() if ln.strip()]
+        if not lines:
+            return None
+        last = lines[-1]
+        return last.split(": ", 1)[1] if re.match(r"^[\w.]+(Error|Exception|Violation|NotFound): ", last) else last
 
     def _start_local_ray(self, attempts: int = 3) -> None:
         # Ray gives a new node's raylet a fixed 30 s to register; on an overloaded host that can
@@ -564,8 +583,12 @@ class RayEngine:
         if self._handle is None:
             return
         self._handle = None
+        self._teardown()
+
+    def _teardown(self) -> None:
         serve.delete(self.config.app_name)
         if self._owns_ray:
+            self._owns_ray = False
             serve.shutdown()
             ray.shutdown()
 
