@@ -199,6 +199,22 @@ def test_a_run_time_preset_switch_is_refused_naming_the_start_flag(studio):
     assert studio.system()["fused"]["preset"] == PRESET
 
 
+def test_another_model_runs_unfused_and_switching_back_fuses_again(studio, local):
+    studio.wait(studio.switch_model("demo:sd3.5")["id"], timeout=120)
+    assert studio.system()["fused"]["state"] == "base" and studio.current_preset() is None
+    other = _done(studio, {"prompt": PROMPT, "seed": 1, "num_inference_steps": 8})  # no 4-step contract here
+    assert other["status"] == "succeeded", other.get("error")
+    assert other["result"]["metadata"]["distill"] is None
+    studio.wait(studio.switch_model(MODEL)["id"], timeout=120)
+    assert studio.system()["fused"]["preset"] == PRESET and studio.current_preset() == PRESET
+    reloaded = [j for j in _on_both_replicas(studio, [7, 8])
+                if j["result"] and j["result"]["metadata"]["engine"]["this_job"]["model_loads"]]
+    assert reloaded, "no job reached the replica that had switched to demo:sd3.5"
+    meta = reloaded[0]["result"]["metadata"]
+    assert meta["engine"]["replica"] == other["result"]["metadata"]["engine"]["replica"]
+    assert meta["distill"]["preset"] == PRESET and meta["distill"]["checksums"] == local.fused_state()["checksums"]
+
+
 def test_a_killed_replica_comes_back_fused_and_the_next_job_succeeds(studio, local):
     import ray
 
