@@ -243,15 +243,17 @@ class PipelineManager:
                 return {"state": "base"}
             return self.fused_base.state()
 
-    def apply_preset(self, preset_id: str, adapter_dirs=None) -> dict:
-        """Resolve a preset's files, fuse them, and return its sampling defaults."""
+    def apply_preset(self, preset_id: str, adapter_dirs=None, paths=None) -> dict:
+        """Resolve a preset's files, fuse them, and return its sampling defaults. ``paths``: the
+        files already resolved (and checked) elsewhere: a Ray replica fuses what the head found."""
         from . import presets
 
         with self._lock:
             self._require_loaded()
             preset = presets.get_preset(preset_id)
             preset.fits(self.model_id, self.spec.class_name)
-            paths = presets.resolve_files(preset, self.model_id, self.data_dir, adapter_dirs)
+            if paths is None:
+                paths = presets.resolve_files(preset, self.model_id, self.data_dir, adapter_dirs)
             self.fuse(paths, [f.scale for f in preset.files], preset=preset)
             return dict(preset.defaults)
 

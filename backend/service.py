@@ -35,9 +35,6 @@ class Studio:
                  gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False):
         if engine not in ENGINES:
             raise InvalidParameter(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}", param="engine")
-        if engine == "ray" and (lora_backend != "peft" or preset):
-            raise InvalidParameter("--engine ray serves per-request PEFT adapters only; --lora-backend distill "
-                                   "and --preset need --engine local", param="engine")
         if engine == "ray" and (replicas < 1 or gpus_per_replica < 0):
             raise InvalidParameter(f"--replicas must be >= 1 and --gpus-per-replica >= 0, got {replicas} and "
                                    f"{gpus_per_replica}", param="replicas" if replicas < 1 else "gpus_per_replica")

@@ -136,9 +136,10 @@ def test_a_replica_killed_mid_job_fails_that_job_and_the_next_succeeds(engine):
     assert progress.replica in outcome.error.message and "died" in outcome.error.message
     after = _run(engine, "survivor")
     assert after.result.metadata["engine"]["replica"] != progress.replica
-    # Serve replaces the dead replica: the pool is back to two.
+    # Serve replaces the dead replica (a new id, once its health check has noticed): back to two.
     deadline = time.time() + 120
-    while engine.replica_count() < 2:
+    while not (engine.replica_ids() - {progress.replica, after.result.metadata["engine"]["replica"]}) \
+            or engine.replica_count() < 2:
         assert time.time() < deadline, "Serve did not restart the killed replica"
         time.sleep(1)
 

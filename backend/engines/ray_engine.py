@@ -96,6 +96,63 @@ class Job:
                 "adapters": [dataclasses.asdict(a) for a in self.adapters]}
 
 
+@dataclass(frozen=True)
+class DistillPlan:
+    """What every replica of a deployment fuses into ``model`` before it serves (``--preset`` or
+    ``--lora-backend distill --lora-path``). Resolved and hashed once, on the head; each replica
+    checks its node's copy of each file against that sha256 (as it does for per-request
+    adapters), then fuses through the manager, the same code the local worker runs."""
+
+    model: str
+    files: tuple[AdapterRef, ...]  # in denoiser order (high noise first on Wan2.2), each with its scale
+    preset: str | None = None  # None: plain --lora-path files (a preset still applies if they match by name)
+    components: tuple[str, ...] = ()  # the denoiser each file goes into
+
+    @classmethod
+    def resolve(cls, model: str, *, preset: str | None = None, lora_paths=(), lora_scale: float = 1.0,
+                data_dir=None, adapter_dirs=()) -> "DistillPlan":
+        """Find and check the files as the local worker would (a preset wins over plain paths,
+        as there), so a wrong preset, count, order or missing file stops the server at start."""
+        from .. import presets
+        from ..distill.support import plan as route
+        from ..models import resolve_model, spec_for
+
+        resolved = resolve_model(model, data_dir)
+        spec = spec_for(resolved.class_name)
+        if preset:
+            found = presets.get_preset(preset)
+            found.fits(model, spec.class_name)
+            paths = presets.resolve_files(found, model, data_dir, list(adapter_dirs))
+            scales = [f.scale for f in found.files]
+        else:
+            paths, scales = [Path(p).expanduser() for p in lora_paths], lora_scale
+        # a denoiser the checkpoint leaves out (Wan2.1 has no transformer_2) takes no file
+        index = resolved.model_index or {}
+        present = [c for c in spec.denoisers if not index or (index.get(c) or [None])[0] is not None]
+        routed = route(spec.class_name, present, paths, scales)
+        # absolute (replicas run in another cwd), but not resolved: a Hugging Face cache link's
+        # name is what routes it (high/low noise) and what metadata shows
+        files = tuple(AdapterRef(name=a.path.name, path=str(a.path.absolute()), sha256=adapter_sha256(a.path),
+                                 scale=a.scale) for a in routed)
+        return cls(model=model, files=files, preset=preset or None,
+                   components=tuple(a.component for a in routed))
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "preset": self.preset, "components": list(self.components),
+                "files": [dataclasses.asdict(f) for f in self.files]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DistillPlan":
+        return cls(model=d["model"], preset=d.get("preset"), components=tuple(d.get("components") or ()),
+                   files=tuple(AdapterRef(**f) for f in d["files"]))
+
+    def state(self) -> dict:
+        """What the server reports before a replica has answered: the deployment's fused files."""
+        return {"state": "fused", "scope": "deployment", "preset": self.preset,
+                "files": [{"path": f.path, "component": c, "scale": f.scale, "sha256": f.sha256}
+                          for f, c in zip(self.files, self.components)]}
+
+
 def adapter_sha256(path: str | os.PathLike) -> str:
     """sha256 of an adapter: the file, or for a PEFT folder its config + weights in name order."""
     p = Path(path)
@@ -153,26 +210,31 @@ class AdapterHost:
         self._hashes: dict[tuple, str] = {}
         self._refs: dict[int, int] = {}
 
-    def model_loaded(self) -> None:
-        """A (re)loaded model starts with a fresh PEFT engine and nothing resident."""
+    def model_loaded(self, peft: bool = True) -> None:
+        """A (re)loaded model starts with a fresh PEFT engine (none under --lora-backend distill,
+        as in the local worker) and nothing resident."""
         self._refs.clear()
-        peft_attach(self.manager, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
+        if peft:
+            peft_attach(self.manager, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
 
-    def verify(self, ref: AdapterRef) -> None:
+    def verify(self, ref: AdapterRef, what: str = "adapter", wanted_by: str = "the job") -> None:
         p = Path(ref.path)
         node = ray.get_runtime_context().get_node_id()[:12]
         if not p.exists():
-            raise AdapterError(f"adapter {ref.name!r}: {p} is missing on node {node} "
+            raise AdapterError(f"{what} {ref.name!r}: {p} is missing on node {node} "
                                "(mount the adapter library on every node or copy it there)", param="path")
         stat = p.stat()
         key = (str(p), stat.st_mtime_ns, stat.st_size)
         if key not in self._hashes:
             self._hashes[key] = adapter_sha256(p)
         if self._hashes[key] != ref.sha256:
-            raise AdapterError(f"adapter {ref.name!r}: {p} on node {node} has sha256 {self._hashes[key][:16]}..., "
-                               f"the job expects {ref.sha256[:16]}... (stale or partial copy)", param="path")
+            raise AdapterError(f"{what} {ref.name!r}: {p} on node {node} has sha256 {self._hashes[key][:16]}..., "
+                               f"{wanted_by} expects {ref.sha256[:16]}... (stale or partial copy)", param="path")
 
     def attach(self, adapters: tuple[AdapterRef, ...]) -> None:
+        if adapters and self.manager.lora_engine is None:
+            raise InvalidParameter("this deployment runs --lora-backend distill: its LoRA is fused into the base "
+                                   "at start, so per-request 'lora' is refused", param="lora")
         for ref in adapters:
             self.verify(ref)
         with self.manager._lock:
@@ -218,7 +280,13 @@ class GenerationReplica:
         self.counts = {"jobs": 0, "slot_loads": 0, "model_loads": 0, "adapter_loads": 0, "adapter_unloads": 0}
         self.host = AdapterHost(self.manager, self.counts, max_loras=int(settings.get("max_loras", 4)),
                                 max_cpu_loras=int(settings.get("max_cpu_loras", 16)))
+        self.peft = settings.get("lora_backend", "peft") == "peft"
+        self.distill = DistillPlan.from_dict(settings["distill"]) if settings.get("distill") else None
         self._wanted: dict[str, Job] = {}
+        if self.distill is not None:
+            # Load and fuse now, in the constructor: Serve routes nothing to a replica before it
+            # returns, so a replica Ray restarts after a crash is fused again before it serves.
+            self._ensure(self.distill.model)
 
         async def load_slot(key: str) -> _Slot:
             job = self._wanted[key]
@@ -236,9 +304,26 @@ class GenerationReplica:
         with self.manager._lock:
             if self.manager.model_id != model:
                 self.manager.load(model)
-                self.host.model_loaded()
+                if self.distill is not None and model == self.distill.model:
+                    try:
+                        self._fuse(self.distill)  # as the local worker: fuse first, then PEFT on top
+                    except BaseException:
+                        self.manager.unload()  # never serve this model unfused: the next job tries again
+                        raise
+                self.host.model_loaded(peft=self.peft)
                 self.counts["model_loads"] += 1
             self.host.attach(adapters)
+
+    def _fuse(self, plan: DistillPlan) -> None:
+        """The deployment's distill files, checked on this node by sha256, fused by the manager."""
+        for ref, component in zip(plan.files, plan.components):
+            _standin_on_this_node(plan, ref, component, self.manager.data_dir)
+            self.host.verify(ref, "distill file", "the head")  # never fuse a stale or half-copied file
+        paths = [ref.path for ref in plan.files]
+        if plan.preset:
+            self.manager.apply_preset(plan.preset, paths=paths)
+        else:
+            self.manager.fuse(paths, [ref.scale for ref in plan.files])
 
     async def run(self, job_dict: dict, key: str):
         """Stream {"type": "progress"} events, then one {"type": "result"} or {"type": "error"}."""
@@ -288,6 +373,17 @@ class GenerationReplica:
         return result
 
 
+def _standin_on_this_node(plan: DistillPlan, ref: AdapterRef, component: str, data_dir) -> None:
+    """A demo model's preset stand-in is built on each node on first use, like the demo model
+    itself (seeded by its name, so the same bytes everywhere; the sha256 check still follows)."""
+    from .. import demo
+    from ..distill.demo_files import demo_dir, write_demo_file
+
+    path = Path(ref.path)
+    if plan.preset and demo.is_demo(plan.model) and not path.exists() and path.parent == demo_dir(data_dir):
+        write_demo_file(plan.model, path.name, component, data_dir)
+
+
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
 class JobRouter:
     """The app's ingress: forwards each job to the replica pool through a handle, multiplexed by
@@ -314,6 +410,8 @@ class RayEngineConfig:
     slots_per_replica: int = 4  # model + adapter-set slots each replica keeps resident (LRU)
     max_loras: int = 4  # the PEFT engine's tiers on each replica (as --max-loras / --max-cpu-loras)
     max_cpu_loras: int = 16
+    lora_backend: str = "peft"  # "distill": no per-request adapters, as with the local engine
+    distill: DistillPlan | None = None  # fused by every replica at start (DistillPlan.resolve, on the head)
     multiplex: bool = True  # False routes without regard to slots (the benchmark's baseline)
     # Jobs a replica accepts at once (it runs one; the rest wait there). 1 keeps every waiting job
     # in the front queue; 2 lets a job wait for the busy replica that holds its slot instead of
@@ -415,12 +513,32 @@ class RayEngine:
                  "runtime_env": {"env_vars": env}}
         settings = {"device": cfg.device, "dtype": cfg.dtype, "data_dir": cfg.data_dir,
                     "slots_per_replica": cfg.slots_per_replica, "max_loras": cfg.max_loras,
-                    "max_cpu_loras": cfg.max_cpu_loras}
+                    "max_cpu_loras": cfg.max_cpu_loras, "lora_backend": cfg.lora_backend,
+                    "distill": cfg.distill.to_dict() if cfg.distill else None}
         replicas = GenerationReplica.options(num_replicas=cfg.replicas, ray_actor_options=actor,
                                              max_ongoing_requests=cfg.jobs_per_replica).bind(settings)
         router = JobRouter.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
-        self._handle = serve.run(router.bind(replicas, cfg.multiplex), name=cfg.app_name, route_prefix=None)
+        try:
+            self._handle = serve.run(router.bind(replicas, cfg.multiplex), name=cfg.app_name, route_prefix=None)
+        except RuntimeError as exc:  # replicas kept failing in their constructor (e.g. a distill file)
+            reason = self._replica_failure() or _first_line(exc)
+            self._teardown()
+            raise StudioError(f"the Ray replicas could not start: {reason}", param="engine") from exc
         return self
+
+    def _replica_failure(self) -> str | None:
+        """The last line of the error a replica's constructor raised, as Serve recorded it
+        (serve.run itself only says that the deployment failed)."""
+        try:
+            app = serve.status().applications.get(self.config.app_name)
+            message = app.deployments[GenerationReplica.name].message if app else ""
+        except Exception:  # noqa: BLE001 - no status: the caller falls back to Serve's own line
+            return None
+        lines = [ln.strip() for ln in (message or "").splitlines() if ln.strip()]
+        if not lines:
+            return None
+        last = lines[-1]
+        return last.split(": ", 1)[1] if re.match(r"^[\w.]+(Error|Exception|Violation|NotFound): ", last) else last
 
     def _start_local_ray(self, attempts: int = 3) -> None:
         # Ray gives a new node's raylet a fixed 30 s to register; on an overloaded host that can
@@ -448,6 +566,13 @@ class RayEngine:
         """The Ray actor behind a replica id (as Progress/metadata report it), for ops tools."""
         return f"SERVE_REPLICA::{self.config.app_name}#{GenerationReplica.name}#{replica}"
 
+    def replica_ids(self) -> set[str]:
+        """Ids of the pool's replicas whose actors are alive (running or still starting): a
+        replica Ray replaced after a crash shows up here under a new id."""
+        prefix = self.replica_actor_name("")
+        return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(prefix)}
+
     def replica_count(self) -> int:
         """Replicas of the pool that are up now."""
         app = serve.status().applications.get(self.config.app_name)
@@ -458,8 +583,12 @@ class RayEngine:
         if self._handle is None:
             return
         self._handle = None
+        self._teardown()
+
+    def _teardown(self) -> None:
         serve.delete(self.config.app_name)
         if self._owns_ray:
+            self._owns_ray = False
             serve.shutdown()
             ray.shutdown()
 

@@ -9,11 +9,15 @@ marked succeeded, as the local worker does.
 
 State-changing jobs (BARRIER_KINDS) wait until every in-flight job has finished. ``load_model``
 only changes the model new jobs are tagged with: replicas load it on demand (Ray Serve routes a
-job by its model + adapters). Presets fuse weights into one process's pipeline; that has no
-meaning across a pool of replicas, so those jobs fail with a clear error.
+job by its model + adapters). Distill presets are per deployment: ``--preset`` /
+``--lora-backend distill --lora-path`` are resolved here, on the head, into a ``DistillPlan``
+that every replica fuses at start; ``apply_preset`` / ``restore_base`` at run time succeed only
+when they ask for what the deployment already runs, and otherwise name the flag to restart with
+(docs/scaling.md says why).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -32,6 +36,7 @@ class RayDispatcher:
     def __init__(self, queue: JobQueue, config: WorkerConfig, engine_config):
         self.queue, self.config, self.engine_config = queue, config, engine_config
         self.engine = None
+        self.plan = None  # the deployment's DistillPlan (None: replicas serve the plain base)
         self.info: dict = {}
         self.fatal: str | None = None
         self.restarts = 0  # nothing to restart here: Ray Serve replaces dead replicas itself
@@ -51,10 +56,17 @@ class RayDispatcher:
         """Start the Ray engine here, in the caller's thread: Ray ties its driver state (signal
         handlers, shutdown) to the thread that called ``ray.init``. ``wait_ready`` and ``timeout``
         are accepted for Supervisor's signature; Ray's own start-up timeouts bound this call."""
-        from ..engines.ray_engine import RayEngine
+        from ..engines.ray_engine import DistillPlan, RayEngine
 
+        cfg = self.config
         try:
-            self._set_model(self.config.model)
+            if cfg.preset or (cfg.lora_backend == "distill" and cfg.lora_paths):
+                self.plan = DistillPlan.resolve(cfg.model, preset=cfg.preset, lora_paths=cfg.lora_paths,
+                                                lora_scale=cfg.lora_scale, data_dir=cfg.data_dir,
+                                                adapter_dirs=cfg.adapter_dirs)
+            self.engine_config = dataclasses.replace(self.engine_config, lora_backend=cfg.lora_backend,
+                                                     distill=self.plan)
+            self._set_model(cfg.model)
             self.engine = RayEngine(self.engine_config).start()
         except Exception as exc:
             self.fatal = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
@@ -179,6 +191,10 @@ class RayDispatcher:
         from ..outputs import save_result
 
         result.metadata["job_id"] = job_id  # metadata["engine"] names the replica that ran it
+        fused, distill = self.info.get("fused") or {}, result.metadata.get("distill")
+        if distill and fused.get("state") == "fused":  # what the replicas computed after fusing
+            self.info["fused"] = {**fused, "checksums": distill["checksums"],
+                                  "base_checksums": distill["base_checksums"]}
         path = save_result(result, data_dir=self.config.data_dir)
         self.queue.finish(job_id, "succeeded", result={"path": str(path), "metadata": result.metadata})
 
@@ -200,15 +216,42 @@ class RayDispatcher:
 
     def _barrier(self, job: dict) -> None:
         try:
-            if job["kind"] != "load_model":
-                raise InvalidParameter(f"{job['kind']} is not available with --engine ray: presets fuse weights "
-                                       "into one process's pipeline; use --engine local", param="preset")
-            self._set_model(job["model"])
+            if job["kind"] == "load_model":
+                self._set_model(job["model"])
+                result = {"model": job["model"]}
+            elif job["kind"] in ("apply_preset", "restore_base"):
+                result = self._preset_state(job["params"].get("preset") if job["kind"] == "apply_preset" else None)
+            else:
+                raise InvalidParameter(f"job kind {job['kind']!r} is not supported by the Ray engine", param="kind")
         except StudioError as exc:
             self._fail(job["id"], exc)
             return
         self._group = None
-        self.queue.finish(job["id"], "succeeded", result={"model": job["model"]})
+        self.queue.finish(job["id"], "succeeded", result=result)
+
+    def _preset_state(self, wanted: str | None) -> dict:
+        """apply_preset(wanted) / restore_base() (wanted None). Presets are per deployment: every
+        replica fused the same files in its constructor, and one replica switching alone would
+        make a job's output depend on where it ran; so a run-time switch is refused, naming the
+        flag to restart with, and asking for what the deployment already runs answers like the
+        local worker does."""
+        from ..presets import get_preset
+
+        fused = self.info["fused"]
+        running = fused.get("preset") if fused.get("state") == "fused" else None
+        if wanted is None and fused.get("state") != "fused":
+            return {"preset": None, "defaults": {}, "fused": fused}
+        if wanted is not None and wanted == running:
+            return {"preset": wanted, "defaults": dict(get_preset(wanted).defaults), "fused": fused}
+        now = (f"preset {running}" if running else "distill files " +
+               ", ".join(f["path"] for f in fused["files"])) if fused.get("state") == "fused" else "the base weights"
+        if wanted is None:
+            raise InvalidParameter(f"restore_base is not available with --engine ray: distill presets are per "
+                                   f"deployment and every replica runs {now}; restart the server without --preset "
+                                   f"/ --lora-backend distill to serve the base", param="preset")
+        raise InvalidParameter(f"apply_preset is not available with --engine ray: distill presets are per "
+                               f"deployment (every replica fuses the same files at start) and this one runs "
+                               f"{now}; restart the server with --preset {wanted}", param="preset")
 
     def _set_model(self, model_id: str) -> None:
         """What the local worker reports about its model, read from the model's directory (on the
@@ -218,10 +261,13 @@ class RayDispatcher:
         resolved = resolve_model(model_id, self.config.data_dir)
         spec = spec_for(resolved.class_name)
         cfg = self.engine_config
+        # replicas fuse the plan into its model only, as the local worker does for its start model
+        plan = self.plan if self.plan is not None and self.plan.model == model_id else None
         self.info.update({
-            "model": model_id, "preset": None, "fused": {"state": "base", "preset": None},
+            "model": model_id, "preset": plan.preset if plan else None,
+            "fused": plan.state() if plan else {"state": "base", "preset": None},
             "pipeline": spec.class_name, "device": cfg.device or ("cuda" if cfg.gpus_per_replica else "cpu"),
-            "dtype": cfg.dtype, "lora_backend": "peft", "engine": "ray",
+            "dtype": cfg.dtype, "lora_backend": self.config.lora_backend, "engine": "ray",
             "spec": {"pipeline": spec.class_name, "output": spec.output, "mode": spec.mode,
                      "fields": sorted(spec.fields), "denoisers": list(spec.denoisers),
                      "defaults": {**spec.defaults, **resolved.defaults}}})
