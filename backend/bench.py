@@ -230,7 +230,7 @@ class LoraBench:
             theirs_model.unfuse_lora()
 
         fuse = _interleaved({"ours": lambda i: (engine.activate([(self.req(1), 1.0)]), engine.activate([])),
-                             "theirs": theirs_fuse}, max(2, n // 10))
+                             "theirs": theirs_fuse}, max(4, n // 5))
         self.timed("merge + restore vs fuse_lora + unfuse_lora", fuse["ours"], fuse["theirs"])
         del theirs_model, ours_model, engine
         gc.collect()
