@@ -16,12 +16,13 @@ they fall back to running in the calling thread unchanged.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-_pools: dict[int, ThreadPoolExecutor] = {}
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, workers): a forked child makes its own
 _pools_lock = threading.Lock()
 
 
@@ -48,12 +49,13 @@ def single_threaded():
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
+    key = (os.getpid(), workers)
     with _pools_lock:
-        pool = _pools.get(workers)
+        pool = _pools.get(key)
         if pool is None:
             pool = ThreadPoolExecutor(workers, thread_name_prefix="cpu-tasks",
                                       initializer=torch.set_num_threads, initargs=(1,))
-            _pools[workers] = pool
+            _pools[key] = pool
         return pool
 
 
