@@ -324,7 +324,41 @@ def test_refusal_carries_the_full_fit_report(library, engine_for, tmp_path):
                                                 "transformer.transformer_blocks.9.attn.to_q.lora_B.weight"]
 
 
-def test_failure_mid_activation_rolls_back_every_layer(library, managers, engine_for):
+@pytest.fixture
+def intra_op_threads():
+    """Run a test body with N torch threads (2: layers are written by two single-threaded workers)."""
+    before = torch.get_num_threads()
+
+    def use(n: int) -> None:
+        torch.set_num_threads(n)
+
+    yield use
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_written_by_two_workers_match_one_thread(dtype, managers, tmp_path, intra_op_threads):
+    m = managers("demo:qwen-image")
+    paths = _synthetic_adapters(m.pipeline.transformer, tmp_path, 3)
+    merged = {}
+    for threads in (1, 2):
+        intra_op_threads(threads)
+        transformer = type(m.pipeline.transformer).from_config(m.pipeline.transformer.config).to(dtype)
+        transformer.load_state_dict(m.pipeline.transformer.state_dict())
+        pristine = module_checksum(transformer)
+        engine = LoRAEngine(m.pipeline, {"transformer": transformer}, model="demo:qwen-image")
+        requests = [req(p, i + 1) for i, p in enumerate(paths)]
+        engine.activate([(requests[0], 1.0)])
+        engine.activate([(requests[1], 0.5), (requests[2], 2.0)])  # a switch with stacking
+        merged[threads] = module_checksum(transformer)
+        engine.deactivate()
+        assert merged[threads] != pristine and module_checksum(transformer) == pristine
+    assert merged[1] == merged[2]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_failure_mid_activation_rolls_back_every_layer(threads, library, managers, engine_for, intra_op_threads):
+    intra_op_threads(threads)
     m = managers("demo:qwen-image")
     engine = engine_for("demo:qwen-image")
     pristine = checksums(m)

@@ -112,6 +112,36 @@ def test_nan_weights_named(tmp_path):
         formats.read_tensors(f)
 
 
+def test_full_read_reports_the_file_sha256_and_the_stored_tensors(library):
+    path = library / "wan2.1-t2v/wan21-t2v-lightx2v-demo.safetensors"
+    formats.forget_sha256(path)  # hashed from the bytes read, not from the cache
+    raw = formats.read_tensors(path)
+    assert raw.record.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert raw.stamp == (path.stat().st_mtime_ns, path.stat().st_size)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(path))
+    assert sorted(raw.tensors) == sorted(stored)
+    for key, t in stored.items():
+        assert raw.tensors[key].dtype == t.dtype and torch.equal(raw.tensors[key], t), key
+
+
+def test_entry_disagreeing_with_its_offsets_named(tmp_path):
+    f = tmp_path / "lying.safetensors"
+    save_file({"transformer.a.lora_A.weight": torch.ones(4, 8), "transformer.a.lora_B.weight": torch.ones(8, 4)},
+              str(f))
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8: 8 + n])
+    header["transformer.a.lora_B.weight"]["shape"] = [8, 2]  # 64 bytes of F32 where 128 are stored
+    blob = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(blob) == n
+    f.write_bytes(data[:8] + blob + data[8 + n:])
+    with pytest.raises(AdapterError, match=r"lying\.safetensors: not a valid safetensors file "
+                                           r"\(tensor 'transformer\.a\.lora_B\.weight'"):
+        formats.read_tensors(f)
+
+
 def test_demo_writers_are_deterministic(library, data_dir, tmp_path):
     spec = next(s for s in demo_adapters.DEMO_ADAPTERS if s.writer == "write_lightx2v")
     again = tmp_path / "again.safetensors"

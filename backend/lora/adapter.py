@@ -11,6 +11,7 @@ import torch
 
 from .convert import convert
 from .fit import Binding, FitReport, fit
+from ..cpu_tasks import single_threaded
 from .formats import AdapterRecord, file_stamp, read_tensors
 
 
@@ -42,17 +43,18 @@ class LoadedAdapter:
 
 def fit_adapter(path, pipeline_cls, denoisers: dict[str, torch.nn.Module], name: str | None = None) -> FitReport:
     """The fit report of an adapter against the given denoisers (meta-device skeletons work)."""
-    raw = read_tensors(path, name)
-    converted = convert(raw, pipeline_cls, default_component=next(iter(denoisers), "transformer"))
-    return fit(converted, denoisers, adapter=raw.record.name, file=str(raw.record.file))
+    with single_threaded():  # hundreds of small-tensor ops: parallel regions only add barriers
+        raw = read_tensors(path, name)
+        converted = convert(raw, pipeline_cls, default_component=next(iter(denoisers), "transformer"))
+        return fit(converted, denoisers, adapter=raw.record.name, file=str(raw.record.file))
 
 
 def load_adapter(path, pipeline_cls, denoisers: dict[str, torch.nn.Module], *, name: str, int_id: int,
                  model: str) -> LoadedAdapter:
     """Read, convert and fit; raises AdapterError (with ``.report``) when it does not fit."""
-    raw = read_tensors(path, name)
-    stamp = file_stamp(raw.record.file)
-    converted = convert(raw, pipeline_cls, default_component=next(iter(denoisers), "transformer"))
-    report = fit(converted, denoisers, adapter=name, file=str(raw.record.file))
+    with single_threaded():  # hundreds of small-tensor ops: parallel regions only add barriers
+        raw = read_tensors(path, name)
+        converted = convert(raw, pipeline_cls, default_component=next(iter(denoisers), "transformer"))
+        report = fit(converted, denoisers, adapter=name, file=str(raw.record.file))
     report.raise_if_refused(model)
-    return LoadedAdapter(name=name, int_id=int_id, record=raw.record, report=report, stamp=stamp)
+    return LoadedAdapter(name=name, int_id=int_id, record=raw.record, report=report, stamp=raw.stamp)

@@ -15,6 +15,8 @@ whose contributions differ.
 Adapter factors live in a two-tier LRU (``max_loras`` on the device, ready to merge;
 ``max_cpu_loras`` on CPU, read and converted). Reading and fitting happen before the
 model is touched; a failure while writing rolls every touched layer back to pristine.
+On CPU the layers of a switch are written by single-threaded workers
+(``backend.cpu_tasks``), which keeps switching fast on a busy machine.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cpu_tasks import run_tasks
 from ..errors import AdapterError, AdapterNotFound, InvalidParameter
 from ..weights import WeightSnapshot
 from .adapter import LoadedAdapter, load_adapter
@@ -42,6 +45,12 @@ class _DeviceFactors:
     b: torch.Tensor
     bias: torch.Tensor | None
     scaling: float
+
+
+class _LayerWriteFailed(Exception):
+    def __init__(self, layer: str, cause: Exception):
+        super().__init__(layer)
+        self.layer, self.cause = layer, cause
 
 
 class LoRAEngine:
@@ -235,21 +244,30 @@ class LoRAEngine:
             contributions = [(device_factors[e.int_id][(comp, module)], s) for e, s in plan.get((comp, module), [])]
             work.append((comp, module, contributions))
         self._capture_pristine(work)
-        written = []
         try:
-            for comp, module, contributions in work:
-                written.append((comp, module))
-                self._write(comp, module, contributions)
-        except Exception as exc:
-            self._rollback(set(self._merged) | set(written))
-            raise AdapterError(f"activating adapters failed at {comp}.{module} ({exc}); every touched layer "
-                               "was restored and the base model is active", param="lora_request") from exc
+            if all(self._params[c][f"{m}.weight"].device.type == "cpu" for c, m, _ in work):
+                run_tasks(self._write_layer, work)  # independent layers: no barrier per GEMM
+            else:
+                for item in work:
+                    self._write_layer(item)
+        except _LayerWriteFailed as failed:
+            self._rollback(set(self._merged) | {(c, m) for c, m, _ in work})
+            raise AdapterError(f"activating adapters failed at {failed.layer} ({failed.cause}); every touched "
+                               "layer was restored and the base model is active",
+                               param="lora_request") from failed.cause
         for t in changed:
             if t in plan:
                 self._merged[t] = contribution(plan[t])
             else:
                 self._merged.pop(t, None)
         self.counters["layers_written"] += len(changed)
+
+    def _write_layer(self, item) -> None:
+        comp, module, contributions = item
+        try:
+            self._write(comp, module, contributions)
+        except Exception as exc:
+            raise _LayerWriteFailed(f"{comp}.{module}", exc) from exc
 
     def _write(self, comp: str, module: str, contributions) -> None:
         """Write one layer as pristine + the given contributions (fp32 math, one rounding)."""
@@ -282,11 +300,12 @@ class LoRAEngine:
                 bias.data.copy_(acc)
 
     def _scratch(self, weight: torch.Tensor) -> torch.Tensor:
-        """A reused fp32 buffer (no per-switch allocations, so RSS stays flat)."""
-        buf = self._scratch_buf.get(weight.device)
+        """A reused fp32 buffer per writing thread (no per-switch allocations, so RSS stays flat)."""
+        key = (weight.device, threading.get_ident())
+        buf = self._scratch_buf.get(key)
         if buf is None or buf.numel() < weight.numel():
             buf = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
-            self._scratch_buf[weight.device] = buf
+            self._scratch_buf[key] = buf
         return buf[: weight.numel()].view(weight.shape)
 
     def _capture_pristine(self, work) -> None:

@@ -5,7 +5,8 @@ Two entry points, both naming the file at fault in every error:
 - ``inspect(path)`` -> ``AdapterRecord`` from the safetensors header, ``__metadata__`` and
   (for PEFT folders) ``adapter_config.json``, without reading any weight; only the scalar
   ``.alpha`` tensors of kohya/ComfyUI files are read (a few bytes each).
-- ``read_tensors(path)`` -> ``RawAdapter``: every tensor, checked for truncation and NaN/inf.
+- ``read_tensors(path)`` -> ``RawAdapter``: every tensor, checked for truncation and NaN/inf,
+  from one read of the file (the same bytes give the sha256).
 
 Pickle formats (``.bin``, ``.pt``, ``.ckpt``, ``.pth``) are refused: loading one runs
 arbitrary code from the file.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import threading
@@ -59,6 +61,7 @@ class RawAdapter:
 
     record: AdapterRecord
     tensors: dict  # name -> torch.Tensor (CPU)
+    stamp: tuple[int, int]  # (mtime_ns, size) of the bytes the tensors were read from
 
 
 # -- locating the weights file -------------------------------------------------------------
@@ -93,19 +96,42 @@ _sha_cache: dict[tuple[str, int, int], str] = {}
 _sha_lock = threading.Lock()
 
 
-def file_sha256(path: Path) -> str:
-    st = path.stat()
-    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+def _sha_key(path: Path, st: os.stat_result) -> tuple[str, int, int]:
+    return str(path.resolve()), st.st_mtime_ns, st.st_size
+
+
+def _cached_sha256(key) -> str | None:
     with _sha_lock:
-        if key in _sha_cache:
-            return _sha_cache[key]
+        return _sha_cache.get(key)
+
+
+def _remember_sha256(key, digest: str) -> None:
+    with _sha_lock:
+        _sha_cache[key] = digest
+
+
+def forget_sha256(path=None) -> None:
+    """Drop cached digests (of one file, or all), so the next read hashes the bytes again."""
+    with _sha_lock:
+        if path is None:
+            _sha_cache.clear()
+            return
+        resolved = str(Path(path).expanduser().resolve())
+        for key in [k for k in _sha_cache if k[0] == resolved]:
+            del _sha_cache[key]
+
+
+def file_sha256(path: Path) -> str:
+    key = _sha_key(path, path.stat())
+    cached = _cached_sha256(key)
+    if cached is not None:
+        return cached
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     digest = h.hexdigest()
-    with _sha_lock:
-        _sha_cache[key] = digest
+    _remember_sha256(key, digest)
     return digest
 
 
@@ -119,25 +145,41 @@ def file_stamp(path: Path) -> tuple[int, int]:
 def read_header(file: Path) -> tuple[dict, dict]:
     """(tensor entries, __metadata__) of a safetensors file, checked against the file size."""
     size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        n = _header_length(head, size, file)
+        head += fh.read(n)
+    header, metadata, _ = _parse_header(head, size, file)
+    return header, metadata
+
+
+def _header_length(head, size: int, file: Path) -> int:
     try:
-        with open(file, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) < 8:
-                raise ValueError("file is shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise ValueError(f"header length {n} does not fit a {size}-byte file")
-            header = json.loads(fh.read(n))
-    except (ValueError, UnicodeDecodeError) as exc:
+        if len(head) < 8:
+            raise ValueError("file is shorter than a safetensors header")
+        (n,) = struct.unpack_from("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ValueError(f"header length {n} does not fit a {size}-byte file")
+    except ValueError as exc:
         raise AdapterError(f"{file}: not a valid safetensors file ({exc})", param="lora_path") from None
-    if not isinstance(header, dict):
-        raise AdapterError(f"{file}: not a valid safetensors file (header is not an object)", param="lora_path")
-    metadata = header.pop("__metadata__", None) or {}
-    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    return n
+
+
+def _parse_header(data, size: int, file: Path) -> tuple[dict, dict, int]:
+    """(entries, __metadata__, where the data section starts) from the file's first bytes (``data``)."""
+    n = _header_length(data, size, file)
+    try:
+        header = json.loads(bytes(data[8: 8 + n]))
+        if not isinstance(header, dict):
+            raise ValueError("header is not an object")
+        metadata = header.pop("__metadata__", None) or {}
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    except (ValueError, UnicodeDecodeError, KeyError, IndexError, TypeError) as exc:
+        raise AdapterError(f"{file}: not a valid safetensors file ({exc})", param="lora_path") from None
     if 8 + n + end > size:
         raise AdapterError(f"{file}: truncated ({size} bytes, the header describes {8 + n + end})",
                            param="lora_path")
-    return header, metadata
+    return header, metadata, 8 + n
 
 
 def detect_format(keys, is_peft_folder: bool) -> str:
@@ -171,6 +213,12 @@ def inspect(path: str | os.PathLike, name: str | None = None) -> AdapterRecord:
     p = Path(path).expanduser()
     file = weights_file(p)
     header, metadata = read_header(file)
+    return _record(p, file, header, metadata, name, sha256=lambda: file_sha256(file),
+                   scalar=lambda key: _read_scalar(file, key))
+
+
+def _record(p: Path, file: Path, header: dict, metadata: dict, name: str | None, *, sha256, scalar) -> AdapterRecord:
+    """The record from a parsed header; ``sha256()`` gives the digest, ``scalar(key)`` one stored value."""
     peft_config = None
     if p.is_dir():
         try:
@@ -180,17 +228,27 @@ def inspect(path: str | os.PathLike, name: str | None = None) -> AdapterRecord:
     fmt = detect_format(header, peft_config is not None)
     ranks = sorted({int(v["shape"][0]) for k, v in header.items()
                     if k.endswith((".lora_down.weight", ".lora_A.weight")) and v.get("shape")})
-    alpha = _alpha(file, header, metadata, peft_config)
+    alpha = _alpha(header, metadata, peft_config, scalar)
     modules = tuple(sorted({module_of(k) for k in header if not k.endswith(".alpha")}))
     size = sum(f.stat().st_size for f in ([file, p / PEFT_CONFIG] if peft_config is not None else [file]))
     return AdapterRecord(
         name=name or (p.name if p.is_dir() else p.stem), path=p, file=file, format=fmt, ranks=tuple(ranks),
         alpha=alpha, target_modules=modules, num_tensors=len(header), size_bytes=size,
-        sha256=file_sha256(file), base_model=_base_model_hint(metadata, peft_config),
+        sha256=sha256(), base_model=_base_model_hint(metadata, peft_config),
         metadata=dict(metadata), peft_config=peft_config)
 
 
-def _alpha(file: Path, header: dict, metadata: dict, peft_config: dict | None) -> float | None:
+def _read_scalar(file: Path, key: str) -> float:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as fh:
+            return float(fh.get_tensor(key).item())
+    except Exception as exc:  # noqa: BLE001 - any read failure is the file's fault
+        raise AdapterError(f"{file}: cannot read {key} ({exc})", param="lora_path") from None
+
+
+def _alpha(header: dict, metadata: dict, peft_config: dict | None, scalar) -> float | None:
     if peft_config is not None:
         return float(peft_config.get("lora_alpha", peft_config.get("r", 8)))
     if "lora_adapter_metadata" in metadata:  # written by diffusers' save_lora_weights
@@ -208,13 +266,7 @@ def _alpha(file: Path, header: dict, metadata: dict, peft_config: dict | None) -
             pass
     alpha_keys = [k for k in header if k.endswith(".alpha")]
     if alpha_keys:
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(file), framework="pt") as fh:
-                return float(fh.get_tensor(alpha_keys[0]).item())
-        except Exception as exc:  # noqa: BLE001 - any read failure is the file's fault
-            raise AdapterError(f"{file}: cannot read {alpha_keys[0]} ({exc})", param="lora_path") from None
+        return scalar(alpha_keys[0])
     return None
 
 
@@ -228,20 +280,84 @@ def _base_model_hint(metadata: dict, peft_config: dict | None) -> str | None:
 
 
 # -- full read ------------------------------------------------------------------------------
-def read_tensors(path: str | os.PathLike, name: str | None = None) -> RawAdapter:
-    """Every tensor of an adapter on CPU, refusing truncated, corrupt or non-finite files."""
-    import torch
-    from safetensors.torch import load_file
+# safetensors dtype names -> torch dtype attribute names
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
+           "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
-    record = inspect(path, name)
-    try:
-        tensors = load_file(str(record.file), device="cpu")
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise AdapterError(f"{record.file}: cannot read tensors ({exc})", param="lora_path") from None
-    for key, t in tensors.items():
+
+def read_tensors(path: str | os.PathLike, name: str | None = None) -> RawAdapter:
+    """Every tensor of an adapter on CPU, refusing truncated, corrupt or non-finite files.
+
+    The file is read once: the same bytes give the sha256 (unless cached for this path,
+    mtime and size) and back the tensors, which are views into them (no second copy).
+    """
+    p = Path(path).expanduser()
+    file = weights_file(p)
+    data, st = _read_whole(file)
+    header, metadata, start = _parse_header(data, len(data), file)
+    tensors = _tensors_from(data, header, start, file)
+    key = _sha_key(file, st)
+
+    def sha256() -> str:
+        digest = _cached_sha256(key)
+        if digest is None:
+            digest = hashlib.sha256(data).hexdigest()
+            _remember_sha256(key, digest)
+        return digest
+
+    record = _record(p, file, header, metadata, name, sha256=sha256,
+                     scalar=lambda k: float(tensors[k].float().item()))
+    for k, t in tensors.items():
         if t.is_floating_point() and t.numel() and not _finite(t):
-            raise AdapterError(f"{record.file}: tensor {key!r} contains NaN or inf values", param="lora_path")
-    return RawAdapter(record=record, tensors=tensors)
+            raise AdapterError(f"{file}: tensor {k!r} contains NaN or inf values", param="lora_path")
+    return RawAdapter(record=record, tensors=tensors, stamp=(st.st_mtime_ns, st.st_size))
+
+
+def _read_whole(file: Path) -> tuple[bytearray, os.stat_result]:
+    """The file's bytes in one buffer, with the stat they belong to (refused if it changed meanwhile)."""
+    with open(file, "rb", buffering=0) as fh:
+        before = os.fstat(fh.fileno())
+        data = bytearray(before.st_size)
+        got = 0
+        with memoryview(data) as view:
+            while got < len(data):
+                k = fh.readinto(view[got:])
+                if not k:
+                    break
+                got += k
+        after = os.fstat(fh.fileno())
+    if got != len(data) or (after.st_mtime_ns, after.st_size) != (before.st_mtime_ns, before.st_size):
+        raise AdapterError(f"{file}: the file changed while it was being read; try again", param="lora_path")
+    return data, before
+
+
+def _tensors_from(data: bytearray, header: dict, start: int, file: Path) -> dict:
+    """Tensors viewing ``data`` (the data section begins at ``start``), each entry checked like safetensors does."""
+    import torch
+
+    out = {}
+    for key, entry in header.items():
+        try:
+            if entry.get("dtype") not in _DTYPES:
+                raise ValueError(f"unsupported dtype {entry.get('dtype')!r}")
+            dtype = getattr(torch, _DTYPES[entry["dtype"]])
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(x) for x in entry["data_offsets"])
+            numel = math.prod(shape)
+            if min(shape, default=0) < 0 or begin < 0 or end - begin != numel * dtype.itemsize:
+                raise ValueError(f"shape {shape} and {dtype} do not match data_offsets [{begin}, {end}]")
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise AdapterError(f"{file}: not a valid safetensors file (tensor {key!r}: {exc})",
+                               param="lora_path") from None
+        if numel == 0:
+            out[key] = torch.empty(shape, dtype=dtype)
+            continue
+        t = torch.frombuffer(data, dtype=dtype, count=numel, offset=start + begin)
+        if (start + begin) % dtype.itemsize:
+            t = t.clone()  # misaligned elements: give kernels an aligned copy
+        out[key] = t.view(shape)
+    return out
 
 
 def _finite(t) -> bool:
