@@ -280,23 +280,24 @@ def _base_model_hint(metadata: dict, peft_config: dict | None) -> str | None:
 
 
 # -- full read ------------------------------------------------------------------------------
-# safetensors dtype names -> torch dtype attribute names
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
-           "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-
 def read_tensors(path: str | os.PathLike, name: str | None = None) -> RawAdapter:
     """Every tensor of an adapter on CPU, refusing truncated, corrupt or non-finite files.
 
     The file is read once: the same bytes give the sha256 (unless cached for this path,
-    mtime and size) and back the tensors, which are views into them (no second copy).
+    mtime and size) and, through safetensors' own ``load``, the tensors.
     """
+    from safetensors.torch import load  # torch only here: listing a library must not import it
+
     p = Path(path).expanduser()
     file = weights_file(p)
     data, st = _read_whole(file)
-    header, metadata, start = _parse_header(data, len(data), file)
-    tensors = _tensors_from(data, header, start, file)
+    header, metadata, _ = _parse_header(data, len(data), file)
+    _check_entries(header, file)
+    try:
+        loaded = load(data)
+    except Exception as exc:  # noqa: BLE001 - SafetensorError and friends: name the file
+        raise AdapterError(f"{file}: not a valid safetensors file ({exc})", param="lora_path") from None
+    tensors = {k: loaded[k] for k in header}  # the file's order (load's varies), so reports are stable
     key = _sha_key(file, st)
 
     def sha256() -> str:
@@ -314,50 +315,37 @@ def read_tensors(path: str | os.PathLike, name: str | None = None) -> RawAdapter
     return RawAdapter(record=record, tensors=tensors, stamp=(st.st_mtime_ns, st.st_size))
 
 
-def _read_whole(file: Path) -> tuple[bytearray, os.stat_result]:
-    """The file's bytes in one buffer, with the stat they belong to (refused if it changed meanwhile)."""
-    with open(file, "rb", buffering=0) as fh:
+def _read_whole(file: Path) -> tuple[bytes, os.stat_result]:
+    """The file's bytes, with the stat they belong to (refused if it changed meanwhile)."""
+    with open(file, "rb") as fh:
         before = os.fstat(fh.fileno())
-        data = bytearray(before.st_size)
-        got = 0
-        with memoryview(data) as view:
-            while got < len(data):
-                k = fh.readinto(view[got:])
-                if not k:
-                    break
-                got += k
+        data = fh.read()
         after = os.fstat(fh.fileno())
-    if got != len(data) or (after.st_mtime_ns, after.st_size) != (before.st_mtime_ns, before.st_size):
+    if len(data) != before.st_size or (after.st_mtime_ns, after.st_size) != (before.st_mtime_ns, before.st_size):
         raise AdapterError(f"{file}: the file changed while it was being read; try again", param="lora_path")
     return data, before
 
 
-def _tensors_from(data: bytearray, header: dict, start: int, file: Path) -> dict:
-    """Tensors viewing ``data`` (the data section begins at ``start``), each entry checked like safetensors does."""
-    import torch
-
-    out = {}
+def _check_entries(header: dict, file: Path) -> None:
+    """Each entry's shape and dtype against its byte range, naming the tensor at fault
+    (safetensors refuses the same files, but without saying which tensor)."""
     for key, entry in header.items():
         try:
-            if entry.get("dtype") not in _DTYPES:
+            if entry.get("dtype") not in _ITEMSIZE:
                 raise ValueError(f"unsupported dtype {entry.get('dtype')!r}")
-            dtype = getattr(torch, _DTYPES[entry["dtype"]])
+            itemsize = _ITEMSIZE[entry["dtype"]]
             shape = [int(d) for d in entry["shape"]]
             begin, end = (int(x) for x in entry["data_offsets"])
-            numel = math.prod(shape)
-            if min(shape, default=0) < 0 or begin < 0 or end - begin != numel * dtype.itemsize:
-                raise ValueError(f"shape {shape} and {dtype} do not match data_offsets [{begin}, {end}]")
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            if min(shape, default=0) < 0 or begin < 0 or end - begin != math.prod(shape) * itemsize:
+                raise ValueError(f"shape {shape} and {entry['dtype']} do not match data_offsets [{begin}, {end}]")
+        except (KeyError, TypeError, ValueError) as exc:
             raise AdapterError(f"{file}: not a valid safetensors file (tensor {key!r}: {exc})",
                                param="lora_path") from None
-        if numel == 0:
-            out[key] = torch.empty(shape, dtype=dtype)
-            continue
-        t = torch.frombuffer(data, dtype=dtype, count=numel, offset=start + begin)
-        if (start + begin) % dtype.itemsize:
-            t = t.clone()  # misaligned elements: give kernels an aligned copy
-        out[key] = t.view(shape)
-    return out
+
+
+# bytes per element of the safetensors dtypes torch can hold
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def _finite(t) -> bool:
