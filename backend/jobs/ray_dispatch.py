@@ -176,6 +176,8 @@ class RayDispatcher:
                     self.queue.progress(job_id, event.step, event.total)
                 elif event.status == "succeeded":
                     self._succeed(job_id, event.result)
+                elif event.status == "cancelled" and self._stop.is_set() and not self.queue.cancel_requested(job_id):
+                    pass  # stopped by the shutdown, not a user: the row stays 'running', re-queued at the next start
                 elif event.status == "cancelled":
                     self.queue.finish(job_id, "cancelled", error="cancelled while running")
                 else:
