@@ -188,17 +188,19 @@ def cmd_serve(args) -> int:
     try:
         studio.start()
         app = create_app(studio, api_key=args.api_key)
+        on_exit = [studio.stopping]  # Ctrl-C / SIGTERM: end open waits and streams, then close
         try:
-            from ui import mount
+            from ui import end_streams, mount
         except ImportError:  # a build without the UI package: the HTTP API alone
             mount = None
         if mount is not None:
             mount(app, studio, auth=args.auth)  # last, so the API routes keep priority
+            on_exit.append(lambda: end_streams(app))
         if args.share:
             if mount is None:
                 raise InvalidParameter("--share shares the UI, and this build has no ui package", param="share")
             _share_when_listening(args.host, args.port, args.auth)
-        serve(app, host=args.host, port=args.port)
+        serve(app, host=args.host, port=args.port, on_exit=on_exit)
     finally:
         studio.close()
     return 0

@@ -53,6 +53,13 @@ class ContractViolation(StudioError):
     http_status = 422
 
 
+class ShuttingDown(StudioError):
+    """The server is stopping: a wait for a job ends before the job does (the job stays queued)."""
+
+    http_status = 503
+    kind = "server_unavailable"
+
+
 class Cancelled(StudioError):
     """A generation was cancelled before it finished."""
 

@@ -77,9 +77,15 @@ class Studio:
         self.supervisor.start(wait_ready=True, timeout=timeout)
         return self
 
+    def stopping(self) -> None:
+        """Shutdown has begun (Ctrl-C, SIGTERM): end every wait for a job now (503), so the HTTP
+        server's graceful close does not have to cancel those requests."""
+        self.queue.interrupt()
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self.stopping()
             self.supervisor.stop()
             self.queue.close()
 

@@ -73,3 +73,76 @@ def test_serve_binds_loopback_guards_v1_and_shuts_down_cleanly(data_dir, tmp_pat
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):  # the worker went with it
         os.kill(worker_pid, 0)
+
+
+def test_ctrl_c_mid_job_exits_quietly_and_keeps_the_job_for_the_next_start(data_dir, tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group) while a browser tab's
+    event stream is open and a client waits for a running job: no traceback, the client gets a
+    503 naming the job, the worker goes too, and the job is re-queued at the next start."""
+    import threading
+
+    from backend.jobs.queue import JobQueue
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(data_dir / "models", target_is_directory=True)  # built once, shared
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "app.py", "serve", "demo:sd3.5", "--port", str(port), "--data-dir",
+                             str(home), "--device", "cpu"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+    base, answers = f"http://127.0.0.1:{port}", {}
+
+    def hold(name, method, url, **kw):
+        try:
+            with httpx.stream(method, url, timeout=120, **kw) as r:
+                answers[name] = (r.status_code, r.read() if name == "job" else b"")
+        except httpx.HTTPError as exc:
+            answers[name] = (None, repr(exc).encode())
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.5)
+        holders = [threading.Thread(target=hold, args=("job", "POST", f"{base}/v1/images/generations"),
+                                    kwargs={"json": {"prompt": "x", "size": "512x512", "num_inference_steps": 1000}})]
+        if importlib.util.find_spec("ui") is not None:
+            holders.append(threading.Thread(target=hold, args=("tab", "GET", f"{base}/gradio_api/heartbeat/t1")))
+        for t in holders:
+            t.start()
+        while not (jobs := httpx.get(f"{base}/v1/jobs").json()["data"]) or jobs[0]["status"] != "running":
+            time.sleep(0.2)
+        job_id = jobs[0]["id"]
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)
+        started = time.monotonic()
+        rc = proc.wait(60)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    for t in holders:
+        t.join(30)
+    text = (tmp_path / "server.log").read_text()
+    assert rc in (0, 130) and "Traceback" not in text and took < 15, (rc, took, text)
+    status, body = answers["job"]
+    assert status == 503 and job_id.encode() in body, answers
+    deadline = time.monotonic() + 15  # the worker stops at its job's next step
+    while subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout.strip():
+        assert time.monotonic() < deadline, "a process of the server outlived it"
+        time.sleep(0.5)
+    queue = JobQueue(home / "jobs.sqlite")
+    try:
+        assert queue.get(job_id)["status"] == "running"  # left as it was: the next start re-queues it
+        assert queue.recover() == {"requeued": 1, "failed": 0} and queue.get(job_id)["status"] == "queued"
+    finally:
+        queue.close()

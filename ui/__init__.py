@@ -3,6 +3,6 @@
     from ui import build_ui, mount
     mount(fastapi_app, studio, auth=("user", "pass"))   # UI + HTTP API on one server
 """
-from .blocks import CSS, build_ui, launch, mount, parse_auth, share_link
+from .blocks import CSS, build_ui, end_streams, launch, mount, parse_auth, share_link
 
-__all__ = ["CSS", "build_ui", "launch", "mount", "parse_auth", "share_link"]
+__all__ = ["CSS", "build_ui", "end_streams", "launch", "mount", "parse_auth", "share_link"]

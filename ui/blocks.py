@@ -104,6 +104,16 @@ def output_roots(studio) -> list[str]:
     return sorted(roots)
 
 
+def end_streams(app) -> None:
+    """Shutdown: end the event streams open browser tabs hold (Gradio's session heartbeats), which
+    would otherwise outlive the HTTP server's graceful close and be cancelled with a traceback.
+    Gradio does this itself only for a server it launched, not for a mounted app."""
+    for route in app.routes:
+        stop = getattr(getattr(route, "app", None), "stop_event", None)
+        if stop is not None:
+            stop.set()
+
+
 def mount(app, studio, *, auth=None, path: str = "/"):
     """Mount the UI on the backend's FastAPI app, so UI and HTTP API share one server.
     Mount last: routes added to ``app`` before this keep priority over the UI."""

@@ -6,10 +6,27 @@ import threading
 import time
 
 
-def serve(app, host: str = "127.0.0.1", port: int = 7860, log_level: str = "info") -> None:
-    """Serve in the foreground until SIGINT/SIGTERM, then return (so callers' cleanup runs)."""
+def serve(app, host: str = "127.0.0.1", port: int = 7860, log_level: str = "info", on_exit=()) -> None:
+    """Serve in the foreground until SIGINT/SIGTERM, then return (so callers' cleanup runs).
+
+    ``on_exit``: callables run on the server's event loop as soon as the signal arrives, to end
+    the requests that would otherwise stay open (a wait for a job, a browser tab's event stream):
+    uvicorn gives open connections ``timeout_graceful_shutdown`` seconds, then cancels them and
+    logs each one's CancelledError as a traceback."""
+    import asyncio
     import signal
     import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:  # the first signal; a second one force-quits as usual
+                try:
+                    loop = asyncio.get_running_loop()  # a signal handler runs in the loop's thread
+                except RuntimeError:  # not serving yet
+                    loop = None
+                for callback in on_exit:
+                    loop.call_soon_threadsafe(callback) if loop else callback()
+            super().handle_exit(sig, frame)
 
     def _stop(signum, frame):
         raise SystemExit(0)
@@ -19,7 +36,7 @@ def serve(app, host: str = "127.0.0.1", port: int = 7860, log_level: str = "info
     previous = signal.signal(signal.SIGTERM, _stop) if threading.current_thread() is threading.main_thread() \
         else None
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise

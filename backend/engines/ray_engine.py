@@ -38,7 +38,7 @@ from .. import errors
 from ..errors import AdapterError, AdapterNotFound, Cancelled, InvalidParameter, StudioError
 from ..lora.request import LoRARequest
 
-from ..lora import attach as peft_attach
+from ..lora import PRELOAD_ID_BASE, attach as peft_attach
 
 APP_NAME = "lora-studio"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -153,6 +153,41 @@ class DistillPlan:
                           for f, c in zip(self.files, self.components)]}
 
 
+@dataclass(frozen=True)
+class PreloadPlan:
+    """The ``--lora-path`` adapters (``--lora-backend peft``) every replica pre-loads and pins for
+    ``model``, as the local worker does. Hashed once, on the head; each replica checks its node's
+    copy against that sha256 (``AdapterHost.verify``) before the PEFT engine reads it."""
+
+    model: str
+    adapters: tuple[AdapterRef, ...]
+
+    @classmethod
+    def resolve(cls, model: str, lora_paths) -> "PreloadPlan":
+        refs = []
+        for i, raw in enumerate(lora_paths):
+            p = Path(raw).expanduser()
+            if not p.exists():  # stop the server here, before Ray starts
+                raise AdapterNotFound(f"--lora-path {raw}: no such file or folder", param="lora_path")
+            # the name and id backend.lora.attach gives a pre-loaded adapter, so requests and
+            # system() see the same ones as with the local worker
+            refs.append(AdapterRef(name=p.name if p.is_dir() else p.stem, path=str(p.absolute()),
+                                   sha256=adapter_sha256(p), int_id=PRELOAD_ID_BASE + i))
+        return cls(model=model, adapters=tuple(refs))
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "adapters": [dataclasses.asdict(a) for a in self.adapters]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PreloadPlan":
+        return cls(model=d["model"], adapters=tuple(AdapterRef(**a) for a in d["adapters"]))
+
+    def state(self) -> dict:
+        """The server's ``lora_cache`` for this model: pinned on every replica (start fails otherwise)."""
+        return {"scope": "deployment", "pinned": sorted(a.name for a in self.adapters),
+                "preloaded": [{"name": a.name, "path": a.path, "sha256": a.sha256} for a in self.adapters]}
+
+
 def adapter_sha256(path: str | os.PathLike) -> str:
     """sha256 of an adapter: the file, or for a PEFT folder its config + weights in name order."""
     p = Path(path)
@@ -210,12 +245,16 @@ class AdapterHost:
         self._hashes: dict[tuple, str] = {}
         self._refs: dict[int, int] = {}
 
-    def model_loaded(self, peft: bool = True) -> None:
+    def model_loaded(self, peft: bool = True, preload: tuple[AdapterRef, ...] = ()) -> None:
         """A (re)loaded model starts with a fresh PEFT engine (none under --lora-backend distill,
-        as in the local worker) and nothing resident."""
+        as in the local worker) holding only the ``--lora-path`` adapters, pinned."""
         self._refs.clear()
         if peft:
-            peft_attach(self.manager, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
+            for ref in preload:
+                self.verify(ref, "--lora-path adapter", "the head")  # never pin a stale or half-copied file
+            engine = peft_attach(self.manager, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras,
+                                 preload=[ref.path for ref in preload])
+            self.counts["adapter_loads"] += engine.counters["loads_from_disk"]
 
     def verify(self, ref: AdapterRef, what: str = "adapter", wanted_by: str = "the job") -> None:
         p = Path(ref.path)
@@ -238,12 +277,15 @@ class AdapterHost:
         for ref in adapters:
             self.verify(ref)
         with self.manager._lock:
-            done = []
+            engine, done = self.manager.lora_engine, []
             try:
                 for ref in adapters:
-                    self.manager.lora_engine.load(ref.request())  # read + convert + fit check, into the CPU tier
+                    read = engine.counters["loads_from_disk"]
+                    engine.load(ref.request())  # read + convert + fit check, into the CPU tier
                     self._refs[ref.int_id] = self._refs.get(ref.int_id, 0) + 1
-                    self.counts["adapter_loads"] += 1
+                    # a load is a read from disk: a file already resident (a pinned --lora-path
+                    # adapter under the id a request gives it) is shared by the PEFT engine
+                    self.counts["adapter_loads"] += engine.counters["loads_from_disk"] - read
                     done.append(ref)
             except BaseException:
                 self.release(tuple(done))  # a slot is resident whole or not at all
@@ -282,11 +324,13 @@ class GenerationReplica:
                                 max_cpu_loras=int(settings.get("max_cpu_loras", 16)))
         self.peft = settings.get("lora_backend", "peft") == "peft"
         self.distill = DistillPlan.from_dict(settings["distill"]) if settings.get("distill") else None
+        self.preload = PreloadPlan.from_dict(settings["preload"]) if settings.get("preload") else None
         self._wanted: dict[str, Job] = {}
-        if self.distill is not None:
-            # Load and fuse now, in the constructor: Serve routes nothing to a replica before it
-            # returns, so a replica Ray restarts after a crash is fused again before it serves.
-            self._ensure(self.distill.model)
+        start = self.distill or self.preload
+        if start is not None:
+            # Load, fuse and pin now, in the constructor: Serve routes nothing to a replica before
+            # it returns, so a replica Ray restarts after a crash is ready again before it serves.
+            self._ensure(start.model)
 
         async def load_slot(key: str) -> _Slot:
             job = self._wanted[key]
@@ -304,13 +348,15 @@ class GenerationReplica:
         with self.manager._lock:
             if self.manager.model_id != model:
                 self.manager.load(model)
-                if self.distill is not None and model == self.distill.model:
-                    try:
+                try:
+                    if self.distill is not None and model == self.distill.model:
                         self._fuse(self.distill)  # as the local worker: fuse first, then PEFT on top
-                    except BaseException:
-                        self.manager.unload()  # never serve this model unfused: the next job tries again
-                        raise
-                self.host.model_loaded(peft=self.peft)
+                    # the --lora-path adapters belong to the start model only, as in the local worker
+                    preload = self.preload.adapters if self.preload is not None and model == self.preload.model else ()
+                    self.host.model_loaded(peft=self.peft, preload=preload)
+                except BaseException:
+                    self.manager.unload()  # never serve it unfused or unpinned: the next job tries again
+                    raise
                 self.counts["model_loads"] += 1
             self.host.attach(adapters)
 
@@ -365,11 +411,13 @@ class GenerationReplica:
             self.counts["jobs"] += 1
             adapters = [(ref.request(), ref.scale) for ref in job.adapters]
             result = self.manager.generate(job.params, adapters=adapters, on_step=on_step, cancel=cancel)
-            resident = [e.name for e in self.manager.lora_engine.loaded()] if self.manager.lora_engine else []
+            engine = self.manager.lora_engine
+            resident = {e.name for e in engine.loaded()} if engine else set()  # a pin and its alias share a name
+            pinned = engine.stats()["pinned"] if engine else []
         # Cumulative counters for this replica, and what this job itself cost (loads it caused).
         result.metadata["engine"] = {"name": "ray", **self.identity, "slot_key": job.slot_key, **self.counts,
                                      "this_job": {k: self.counts[k] - before[k] for k in self.counts if k != "jobs"},
-                                     "resident_adapters": sorted(resident)}
+                                     "resident_adapters": sorted(resident), "pinned_adapters": pinned}
         return result
 
 
@@ -412,6 +460,7 @@ class RayEngineConfig:
     max_cpu_loras: int = 16
     lora_backend: str = "peft"  # "distill": no per-request adapters, as with the local engine
     distill: DistillPlan | None = None  # fused by every replica at start (DistillPlan.resolve, on the head)
+    preload: PreloadPlan | None = None  # pinned by every replica at start (PreloadPlan.resolve, on the head)
     multiplex: bool = True  # False routes without regard to slots (the benchmark's baseline)
     # Jobs a replica accepts at once (it runs one; the rest wait there). 1 keeps every waiting job
     # in the front queue; 2 lets a job wait for the busy replica that holds its slot instead of
@@ -514,13 +563,14 @@ class RayEngine:
         settings = {"device": cfg.device, "dtype": cfg.dtype, "data_dir": cfg.data_dir,
                     "slots_per_replica": cfg.slots_per_replica, "max_loras": cfg.max_loras,
                     "max_cpu_loras": cfg.max_cpu_loras, "lora_backend": cfg.lora_backend,
-                    "distill": cfg.distill.to_dict() if cfg.distill else None}
+                    "distill": cfg.distill.to_dict() if cfg.distill else None,
+                    "preload": cfg.preload.to_dict() if cfg.preload else None}
         replicas = GenerationReplica.options(num_replicas=cfg.replicas, ray_actor_options=actor,
                                              max_ongoing_requests=cfg.jobs_per_replica).bind(settings)
         router = JobRouter.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
         try:
             self._handle = serve.run(router.bind(replicas, cfg.multiplex), name=cfg.app_name, route_prefix=None)
-        except RuntimeError as exc:  # replicas kept failing in their constructor (e.g. a distill file)
+        except RuntimeError as exc:  # replicas kept failing in their constructor (a distill or --lora-path file)
             reason = self._replica_failure() or _first_line(exc)
             self._teardown()
             raise StudioError(f"the Ray replicas could not start: {reason}", param="engine") from exc

@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..errors import StudioError
+from ..errors import ShuttingDown, StudioError
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -91,6 +91,14 @@ class JobQueue:
         self._db.executescript(SCHEMA)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        self._interrupted = False
+
+    def interrupt(self) -> None:
+        """The server is shutting down: every ``wait`` ends now with ShuttingDown, so request
+        handlers answer at once instead of being cancelled mid-wait by the HTTP server."""
+        with self._changed:
+            self._interrupted = True
+            self._changed.notify_all()
 
     def close(self) -> None:
         with self._lock:
@@ -228,13 +236,17 @@ class JobQueue:
                 "max_overtaken_seen": max((r["overtaken"] for r in rows), default=0)}
 
     def wait(self, job_id: str, timeout: float | None = None) -> dict:
-        """Block until the job is finished (or the timeout passes); returns its dict."""
+        """Block until the job is finished (or the timeout passes); returns its dict. Raises
+        ShuttingDown once ``interrupt()`` was called and the job is still unfinished."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while True:
                 job = self.get(job_id)
                 if job["status"] in FINISHED:
                     return job
+                if self._interrupted:
+                    raise ShuttingDown(f"the server is shutting down; job {job_id} is kept in the queue and runs "
+                                       "when the server starts again", param="job_id")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return job

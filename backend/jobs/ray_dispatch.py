@@ -13,7 +13,8 @@ job by its model + adapters). Distill presets are per deployment: ``--preset`` /
 ``--lora-backend distill --lora-path`` are resolved here, on the head, into a ``DistillPlan``
 that every replica fuses at start; ``apply_preset`` / ``restore_base`` at run time succeed only
 when they ask for what the deployment already runs, and otherwise name the flag to restart with
-(docs/scaling.md says why).
+(docs/scaling.md says why). ``--lora-path`` under the PEFT backend becomes a ``PreloadPlan``: every
+replica pins those adapters for the start model, as the local worker does.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class RayDispatcher:
         self.queue, self.config, self.engine_config = queue, config, engine_config
         self.engine = None
         self.plan = None  # the deployment's DistillPlan (None: replicas serve the plain base)
+        self.preload = None  # the deployment's PreloadPlan: --lora-path adapters every replica pins
         self.info: dict = {}
         self.fatal: str | None = None
         self.restarts = 0  # nothing to restart here: Ray Serve replaces dead replicas itself
@@ -56,7 +58,7 @@ class RayDispatcher:
         """Start the Ray engine here, in the caller's thread: Ray ties its driver state (signal
         handlers, shutdown) to the thread that called ``ray.init``. ``wait_ready`` and ``timeout``
         are accepted for Supervisor's signature; Ray's own start-up timeouts bound this call."""
-        from ..engines.ray_engine import DistillPlan, RayEngine
+        from ..engines.ray_engine import DistillPlan, PreloadPlan, RayEngine
 
         cfg = self.config
         try:
@@ -64,8 +66,10 @@ class RayDispatcher:
                 self.plan = DistillPlan.resolve(cfg.model, preset=cfg.preset, lora_paths=cfg.lora_paths,
                                                 lora_scale=cfg.lora_scale, data_dir=cfg.data_dir,
                                                 adapter_dirs=cfg.adapter_dirs)
+            if cfg.lora_backend == "peft" and cfg.lora_paths:
+                self.preload = PreloadPlan.resolve(cfg.model, cfg.lora_paths)
             self.engine_config = dataclasses.replace(self.engine_config, lora_backend=cfg.lora_backend,
-                                                     distill=self.plan)
+                                                     distill=self.plan, preload=self.preload)
             self._set_model(cfg.model)
             self.engine = RayEngine(self.engine_config).start()
         except Exception as exc:
@@ -172,6 +176,8 @@ class RayDispatcher:
                     self.queue.progress(job_id, event.step, event.total)
                 elif event.status == "succeeded":
                     self._succeed(job_id, event.result)
+                elif event.status == "cancelled" and self._stop.is_set() and not self.queue.cancel_requested(job_id):
+                    pass  # stopped by the shutdown, not a user: the row stays 'running', re-queued at the next start
                 elif event.status == "cancelled":
                     self.queue.finish(job_id, "cancelled", error="cancelled while running")
                 else:
@@ -266,6 +272,9 @@ class RayDispatcher:
         self.info.update({
             "model": model_id, "preset": plan.preset if plan else None,
             "fused": plan.state() if plan else {"state": "base", "preset": None},
+            # as the local worker's: the --lora-path adapters are pinned for the start model only
+            "lora_cache": self.preload.state() if self.preload is not None and self.preload.model == model_id
+            else None,
             "pipeline": spec.class_name, "device": cfg.device or ("cuda" if cfg.gpus_per_replica else "cpu"),
             "dtype": cfg.dtype, "lora_backend": self.config.lora_backend, "engine": "ray",
             "spec": {"pipeline": spec.class_name, "output": spec.output, "mode": spec.mode,

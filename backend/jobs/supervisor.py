@@ -73,6 +73,10 @@ class Supervisor:
             self._thread.join(timeout)
         proc, conn = self.proc, self.conn
         if proc is not None and proc.is_alive():
+            if self.current is not None:
+                # No one records its outcome now: stop it at the next step so the worker exits
+                # cleanly; its row stays 'running' and recover() re-queues it at the next start.
+                self._cancel.set()
             try:
                 conn.send({"op": "stop"})
             except (OSError, ValueError):

@@ -16,6 +16,7 @@ shared Event the manager checks after every denoising step.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -208,6 +209,9 @@ class _Worker:
 
 def main(conn, cancel, config: WorkerConfig) -> None:
     """Process entry point (must be importable for ``spawn``)."""
+    # A terminal's Ctrl-C reaches the whole process group. The server stops this worker itself
+    # (Supervisor.stop); dying here mid-job would fail that job instead of leaving it queued.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(config.env)
     try:
         import torch
