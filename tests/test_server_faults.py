@@ -14,7 +14,8 @@ from backend.api.server import ThreadedServer
 from backend.service import Studio
 
 SHORT = {"prompt": "x", "height": 64, "width": 64, "num_inference_steps": 2, "true_cfg_scale": 1.0, "seed": 1}
-LONG = {**SHORT, "num_inference_steps": 400}
+# long enough that no fault test sees it finish on a fast machine (they cancel or kill it early)
+LONG = {**SHORT, "height": 128, "width": 128, "num_inference_steps": 1000}
 
 
 def _studio(data_dir, db, **kw) -> Studio:
@@ -58,7 +59,7 @@ def test_cancel_of_a_running_job_stops_it_at_the_next_step(server):
     assert resp.status_code == 200
     done = studio.wait(job["id"], timeout=60)
     assert done["status"] == "cancelled" and done["result"] is None
-    assert done["progress"]["step"] < 400  # it stopped early, it did not run to the end
+    assert done["progress"]["step"] < 1000  # it stopped early, it did not run to the end
     ok = studio.run("generate", SHORT, timeout=60)
     assert ok["status"] == "succeeded"
 
@@ -87,10 +88,11 @@ def test_full_queue_answers_429(server):
 
     with pytest.raises(RateLimitError):
         OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).images.generate(prompt="x", size="64x64")
-    for j in [running, *queued]:
+    # the queued ones first: cancelling the running job first would let the worker start one
+    for j in [*queued, running]:
         studio.cancel(j["id"])
     for j in [running, *queued]:
-        assert studio.wait(j["id"], 60)["status"] == "cancelled"
+        assert studio.wait(j["id"], 60)["status"] == "cancelled", j["id"]
 
 
 def test_kill_9_of_the_worker_mid_job_fails_that_job_and_the_queue_goes_on(server):
