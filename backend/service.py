@@ -49,6 +49,9 @@ class Studio:
         self.preset = preset
         self.resolver = AdapterResolver(adapter_dirs, self.data_dir)
         lora_paths = [lora_paths] if isinstance(lora_paths, (str, os.PathLike)) else list(lora_paths or [])
+        if lora_backend == "peft":  # pre-loaded and pinned by the worker; requests name them
+            for path in lora_paths:
+                self.resolver.register_start_file(path)
         self.queue = JobQueue(db_path or settings.jobs_db(self.data_dir), max_queue=max_queue, max_overtake=max_overtake)
         self.recovered = self.queue.recover()
         self.config = WorkerConfig(

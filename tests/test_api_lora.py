@@ -114,3 +114,35 @@ def test_pin_keeps_an_adapter_in_the_worker_cache(server):
     _image(url)
     assert "qwen-image-neon-peft" not in studio.system()["lora_cache"]["pinned"]
     assert any(a["name"] == "qwen-image-neon-peft" and not a["pinned"] for a in studio.adapters())
+
+
+def test_a_lora_path_given_at_start_is_requested_by_name_even_outside_the_roots(data_dir, tmp_path):
+    from backend.lora import demo_adapters
+
+    demo_adapters.ensure(data_dir)
+    outside = tmp_path / "elsewhere" / "my-ink.safetensors"  # not under any adapter root
+    outside.parent.mkdir()
+    outside.write_bytes((data_dir / "adapters" / INK).read_bytes())
+    studio = Studio("demo:qwen-image", data_dir=data_dir, device="cpu", worker_threads=1,
+                    db_path=tmp_path / "jobs.sqlite", lora_paths=[str(outside)]).start()
+    srv = ThreadedServer(create_app(studio)).start()
+    try:
+        assert "my-ink" in [a["name"] for a in httpx.get(f"{srv.url}/v1/loras").json()["data"]]
+        by_name = _image(srv.url, lora={"name": "my-ink"})
+        assert np.array_equal(by_name, _image(srv.url, lora={"path": INK}))  # the same bytes in the library
+        assert not np.array_equal(by_name, _image(srv.url))
+        # the operator's start-time choice opens that one name, not the folder it sits in
+        r = httpx.post(f"{srv.url}/v1/images/generations", json={**FAST, "lora": {"path": str(outside)}})
+        assert r.status_code == 403, r.text
+    finally:
+        srv.stop()
+        studio.close()
+
+
+def test_a_missing_lora_path_is_refused_at_construction_naming_it(data_dir, tmp_path):
+    from backend.errors import AdapterNotFound
+
+    missing = tmp_path / "gone.safetensors"
+    with pytest.raises(AdapterNotFound, match=f"--lora-path {missing}: no such file or folder"):
+        Studio("demo:qwen-image", data_dir=data_dir, device="cpu", db_path=tmp_path / "jobs.sqlite",
+               lora_paths=[str(missing)])

@@ -49,13 +49,9 @@ def test_a_missing_lora_path_stops_the_server_before_ray_starts(data_dir, tmp_pa
     from backend.service import Studio
 
     missing = tmp_path / "gone.safetensors"
-    studio = Studio(MODEL, data_dir=data_dir, device="cpu", db_path=tmp_path / "jobs.sqlite", engine="ray",
-                    lora_paths=[str(missing)])
-    try:
-        with pytest.raises(StudioError) as err:
-            studio.start()
-    finally:
-        studio.close()
+    with pytest.raises(StudioError) as err:  # refused while the server is built, before any Ray call
+        Studio(MODEL, data_dir=data_dir, device="cpu", db_path=tmp_path / "jobs.sqlite", engine="ray",
+               lora_paths=[str(missing)])
     assert f"--lora-path {missing}" in err.value.message and "\n" not in err.value.message
     assert not ray.is_initialized()
 

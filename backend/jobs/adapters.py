@@ -79,6 +79,20 @@ class AdapterResolver:
             self._registered[name] = str(real)
         return ResolvedAdapter(name, str(real), 1.0, self.int_id(real))
 
+    def register_start_file(self, path) -> ResolvedAdapter:
+        """A ``--lora-path`` adapter of a PEFT server, registered under its file (or folder) name
+        so requests can name it. The operator chose the file at start, so it need not sit under
+        an adapter root; a request's own ``path`` still must."""
+        given = Path(path).expanduser()
+        if not given.exists():
+            raise AdapterNotFound(f"--lora-path {path}: no such file or folder", param="lora_path")
+        real = given.resolve()
+        name = given.name if given.is_dir() else given.stem
+        _inspect(real, name)
+        with self._lock:
+            self._registered[name] = str(real)
+        return ResolvedAdapter(name, str(real), 1.0, self.int_id(real))
+
     def unregister(self, name: str) -> None:
         with self._lock:
             if self._registered.pop(name, None) is None:
