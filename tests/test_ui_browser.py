@@ -84,7 +84,7 @@ def test_import_add_generate_with_progress(page, app, lora_files):  # noqa: F811
     page.locator("#adapter-add").click()
     expect(page.locator("#stack-name-0 textarea, #stack-name-0 input").first).to_have_value("ui-style")
     page.locator("#prompt textarea").fill("a lighthouse at dusk")
-    page.locator("#field-num_inference_steps input").fill("24")  # enough steps to watch the bar move
+    page.locator("#field-num_inference_steps input").fill("300")  # seconds even on a quiet machine: the bar is seen to move
     page.locator("#generate-btn").click()
 
     seen, deadline = [], time.monotonic() + TIMEOUT_MS / 1000
@@ -118,7 +118,7 @@ def test_gallery_restores_settings(page, lora_files):  # noqa: F811
     page.locator("#gallery-use").click()
     expect(page.locator("#prompt textarea")).to_have_value("a lighthouse at dusk")
     expect(page.locator("#stack-name-0 textarea, #stack-name-0 input").first).to_have_value("ui-style")
-    expect(page.locator("#field-num_inference_steps input")).to_have_value("24")
+    expect(page.locator("#field-num_inference_steps input")).to_have_value("300")
 
     # a PNG that was not made here is refused with a reason
     open_tab(page, "Gallery")
