@@ -33,6 +33,20 @@ def test_malformed_auth_is_refused():
     assert r.returncode == 2 and "USER:PASS" in r.stderr
 
 
+def _wait_healthy(proc, base: str, log_path, timeout: float = 300) -> None:
+    """Until /health answers; a server that exits first fails the test with its log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.5)
+
+
 def test_serve_binds_loopback_guards_v1_and_shuts_down_cleanly(data_dir, tmp_path):
     port = free_port()
     ui = importlib.util.find_spec("ui") is not None
@@ -43,16 +57,7 @@ def test_serve_binds_loopback_guards_v1_and_shuts_down_cleanly(data_dir, tmp_pat
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.5)
+        _wait_healthy(proc, base, tmp_path / "server.log")
         assert httpx.get(f"{base}/v1/models").status_code == 401
         r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": "Bearer k3y"}, timeout=120,
                        json={"messages": [{"role": "user", "content": "x"}],
@@ -102,16 +107,7 @@ def test_ctrl_c_mid_job_exits_quietly_and_keeps_the_job_for_the_next_start(data_
             answers[name] = (None, repr(exc).encode())
 
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.5)
+        _wait_healthy(proc, base, tmp_path / "server.log")
         holders = [threading.Thread(target=hold, args=("job", "POST", f"{base}/v1/images/generations"),
                                     kwargs={"json": {"prompt": "x", "size": "512x512", "num_inference_steps": 1000}})]
         if importlib.util.find_spec("ui") is not None:
