@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from backend.api.server import free_port
+from ui_fixtures import wait_until_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,20 +34,6 @@ def test_malformed_auth_is_refused():
     assert r.returncode == 2 and "USER:PASS" in r.stderr
 
 
-def _wait_healthy(proc, base: str, log_path, timeout: float = 300) -> None:
-    """Until /health answers; a server that exits first fails the test with its log."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.5)
-
-
 def test_serve_binds_loopback_guards_v1_and_shuts_down_cleanly(data_dir, tmp_path):
     port = free_port()
     ui = importlib.util.find_spec("ui") is not None
@@ -57,7 +44,7 @@ def test_serve_binds_loopback_guards_v1_and_shuts_down_cleanly(data_dir, tmp_pat
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, base, tmp_path / "server.log")
+        wait_until_up(proc, base + "/", tmp_path / "server.log", paths=("health",))
         assert httpx.get(f"{base}/v1/models").status_code == 401
         r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": "Bearer k3y"}, timeout=120,
                        json={"messages": [{"role": "user", "content": "x"}],
@@ -107,7 +94,7 @@ def test_ctrl_c_mid_job_exits_quietly_and_keeps_the_job_for_the_next_start(data_
             answers[name] = (None, repr(exc).encode())
 
     try:
-        _wait_healthy(proc, base, tmp_path / "server.log")
+        wait_until_up(proc, base + "/", tmp_path / "server.log", paths=("health",))
         holders = [threading.Thread(target=hold, args=("job", "POST", f"{base}/v1/images/generations"),
                                     kwargs={"json": {"prompt": "x", "size": "512x512", "num_inference_steps": 1000}})]
         if importlib.util.find_spec("ui") is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,11 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from backend.api.server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 MODEL = "demo:qwen-image"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_lora(model_dir: Path, out: Path, *, rank: int = 4, seed: int = 0, strength: float = 0.5,
@@ -72,7 +67,9 @@ class App:
         return httpx.get(self.url + route.lstrip("/"), timeout=30).json()
 
 
-def _wait_until_up(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> None:
+def wait_until_up(proc: subprocess.Popen, url: str, log: Path, *, paths=("health", ""),
+                  timeout: float = 600) -> None:
+    """Until every path under ``url`` answers 200; a server that exits first fails the test with its log."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -80,8 +77,7 @@ def _wait_until_up(proc: subprocess.Popen, url: str, log: Path, timeout: float =
         if proc.poll() is not None:
             pytest.fail(f"app.py serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(url + "health", timeout=5).status_code == 200 and \
-                    httpx.get(url, timeout=5).status_code == 200:
+            if all(httpx.get(url + path, timeout=5).status_code == 200 for path in paths):
                 return
         except httpx.HTTPError:
             pass
@@ -109,7 +105,7 @@ def app(data_dir, demo_path, tmp_path_factory):
                                 env={**os.environ, "LORA_STUDIO_HOME": str(home)})
     try:
         url = f"http://127.0.0.1:{port}/"
-        _wait_until_up(proc, url, log)
+        wait_until_up(proc, url, log)
         yield App(url, home)
     finally:
         proc.terminate()  # SIGTERM: the server shuts its worker down cleanly
