@@ -252,9 +252,14 @@ class PipelineManager:
             self._require_loaded()
             preset = presets.get_preset(preset_id)
             preset.fits(self.model_id, self.spec.class_name)
-            if paths is None:
-                paths = presets.resolve_files(preset, self.model_id, self.data_dir, adapter_dirs)
+            choices = []
+            if paths is None:  # several files per pattern (fp32 and bf16): the run's dtype picks
+                located = presets.locate(preset, self.model_id, self.data_dir, adapter_dirs, create_demo=True,
+                                         dtype=self.dtype)
+                paths = presets.resolve_files(preset, self.model_id, self.data_dir, adapter_dirs, dtype=self.dtype)
+                choices = [loc.choice for loc in located if loc.choice]
             self.fuse(paths, [f.scale for f in preset.files], preset=preset)
+            self.fused_base.fused.choices = choices
             return dict(preset.defaults)
 
     def _metadata(self, params: dict, adapters: list, seconds: float) -> dict:
@@ -277,6 +282,8 @@ class PipelineManager:
         solver, shift = params.get("sample_solver"), params.get("flow_shift")
         if solver is None and shift is None:
             return None
+        if self.fused_base is not None and self.fused_base.fused is not None and self.fused_base.fused.scheduler:
+            return None  # a fused preset's own scheduler; its contract already pinned these two fields
         from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
         config = dict(self.pipeline.scheduler.config)

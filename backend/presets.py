@@ -1,8 +1,9 @@
 """Distill presets: ``presets/*.toml`` loaded, validated, and their files resolved.
 
 A preset is data only: the base models it fits, the LoRA files (source repo, filename
-pattern, target component, the demo stand-in's name), sampling defaults, and
-sampling requirements. Validation happens on load, and every error names the file
+pattern, target component, the demo stand-in's name), sampling defaults, sampling
+requirements, and the scheduler the publisher's recipe samples with (``[scheduler]``:
+a class and its config, set while the preset is fused and put back with the base). Validation happens on load, and every error names the file
 and the key. Files are looked up in the adapter directories, then in the local
 Hugging Face cache; nothing is downloaded. For ``demo:`` models the stand-in files
 are generated (seeded), like the demo models themselves.
@@ -10,6 +11,7 @@ are generated (seeded), like the demo models themselves.
 from __future__ import annotations
 
 import fnmatch
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,16 @@ class Preset:
     requirements: dict
     description: str = ""
     source: Path | None = None
+    scheduler: dict | None = None  # {"class": name, **config}: the recipe's scheduler, None = the base's
+
+    def build_scheduler(self):
+        """A fresh instance of the recipe's scheduler (None when the preset keeps the base's)."""
+        if self.scheduler is None:
+            return None
+        from .distill.schedulers import scheduler_class
+
+        config = {k: v for k, v in self.scheduler.items() if k != "class"}
+        return scheduler_class(self.scheduler["class"])(**config)
 
     @property
     def demo_models(self) -> list[str]:
@@ -68,7 +80,7 @@ class Preset:
 
 # -- loading and validation -------------------------------------------------------------
 _TOP = {"id": str, "title": str, "pipeline": str, "models": list, "files": list, "defaults": dict,
-        "requirements": dict, "description": str}
+        "requirements": dict, "description": str, "scheduler": dict}
 _REQUIRED_TOP = ("id", "title", "pipeline", "models", "files", "defaults", "requirements")
 _FILE = {"component": str, "repo": str, "pattern": str, "demo": str, "scale": (int, float)}
 _REQUIRED_FILE = ("component", "repo", "pattern", "demo")
@@ -123,12 +135,66 @@ def load_preset(path: Path) -> Preset:
                           f"{', '.join(spec.denoisers)}; got {', '.join(order)}", param="files")
     defaults = _fields(where, "defaults", data["defaults"], spec)
     requirements = _fields(where, "requirements", data["requirements"], spec)
+    scheduler = _scheduler(where, data["scheduler"], spec) if "scheduler" in data else None
+    if scheduler is not None:
+        # the request fields that would swap or reshape the scheduler are pinned to the recipe's
+        for name, value in _scheduler_requirements(scheduler, spec).items():
+            if name in requirements and requirements[name] != value:
+                raise PresetError(f"{where}: key 'requirements.{name}' = {requirements[name]!r} contradicts the "
+                                  f"[scheduler] table, which means {name}={value!r}", param=name)
+            requirements[name] = value
     for name, value in requirements.items():
         if name in defaults and defaults[name] != value:
             raise PresetError(f"{where}: key 'defaults.{name}' = {defaults[name]!r} breaks "
                               f"'requirements.{name}' = {value!r}", param=name)
     return Preset(data["id"], data["title"], data["pipeline"], tuple(models), tuple(files), defaults,
-                  requirements, data.get("description", ""), path)
+                  requirements, data.get("description", ""), path, scheduler)
+
+
+# Request fields that pick the scheduler (Wan's flow_shift / sample_solver), by scheduler family.
+_SOLVER_OF = {"FlowMatchEulerDiscreteScheduler": "euler", "StepListFlowMatchScheduler": "euler",
+              "UniPCMultistepScheduler": "unipc"}
+
+
+def _scheduler(where: str, table: dict, spec) -> dict:
+    """``[scheduler]``: ``class`` (ours or diffusers') and config fields that class takes; it must build."""
+    import inspect
+
+    from .distill.schedulers import scheduler_class
+
+    name = table.get("class")
+    if not isinstance(name, str):
+        raise PresetError(f"{where}: missing key 'scheduler.class' (a diffusers scheduler class name)",
+                          param="class")
+    cls = scheduler_class(name)
+    if cls is None or name not in _SOLVER_OF:
+        raise PresetError(f"{where}: key 'scheduler.class' {name!r} is not a scheduler a preset can set "
+                          f"({', '.join(sorted(_SOLVER_OF))})", param="class")
+    allowed = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")]
+    for key in table:
+        if key != "class" and key not in allowed:
+            raise PresetError(f"{where}: unknown key 'scheduler.{key}' for {name} (allowed: {', '.join(allowed)})",
+                              param=key)
+    try:
+        cls(**{k: v for k, v in table.items() if k != "class"})
+    except Exception as exc:  # noqa: BLE001 - the scheduler's own validation, in one line
+        raise PresetError(f"{where}: [scheduler] does not build a {name}: {str(exc).strip().splitlines()[0]}",
+                          param="scheduler") from None
+    return dict(table)
+
+
+def _scheduler_requirements(scheduler: dict, spec) -> dict:
+    out = {}
+    if "sample_solver" in spec.fields:
+        out["sample_solver"] = _SOLVER_OF[scheduler["class"]]
+    if "flow_shift" in spec.fields:
+        from .distill.schedulers import scheduler_class
+
+        cls = scheduler_class(scheduler["class"])
+        key = "flow_shift" if out.get("sample_solver") == "unipc" else "shift"
+        default = cls().config.get(key)
+        out["flow_shift"] = float(scheduler.get(key, default if default is not None else 1.0))
+    return out
 
 
 def _keys(where: str, data: dict, allowed: dict, required, ctx: str) -> None:
@@ -194,6 +260,8 @@ class Located:
     file: PresetFile
     path: Path | None
     where: str  # "adapter-dir" | "hf-cache" | "demo" | "missing"
+    candidates: tuple[Path, ...] = ()  # every file that matched, when there were several
+    choice: str | None = None  # why ``path`` among the candidates (CHOICE_RULE)
 
 
 def _roots(data_dir, adapter_dirs) -> list[Path]:
@@ -215,63 +283,102 @@ def _is_demo_standin(path: Path) -> bool:
         return False
 
 
-def _in_roots(name_pattern: str, roots: list[Path], demo: bool = False) -> Path | None:
+def _in_roots(name_pattern: str, roots: list[Path], demo: bool = False) -> list[Path]:
+    """Every matching file under the first root that has any (several versions or dtypes can)."""
     for root in roots:
         hits = sorted(p for p in root.rglob("*.safetensors") if fnmatch.fnmatchcase(p.name, name_pattern)
                       and (demo or not _is_demo_standin(p)))
         if hits:
-            return hits[-1]  # several versions (V1.0, V2.0): the highest name
-    return None
+            return hits
+    return []
 
 
-def _in_hf_cache(repo: str, pattern: str, cache_dir=None) -> Path | None:
-    """The newest cached file matching ``pattern`` in ``repo``; never touches the network."""
+# -- which file, when several match -------------------------------------------------------
+_DTYPE_TAGS = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32", "float16": "fp16",
+               "fp16": "fp16"}
+_TAG = re.compile(r"(?<![a-z0-9])(bf16|fp32|fp16)(?![a-z0-9])")
+CHOICE_RULE = ("several files match: the one whose name carries the run's dtype (bf16 / fp32 / fp16), "
+               "then the highest name (the newest version)")
+
+
+def dtype_tag(dtype) -> str | None:
+    """``bf16`` / ``fp32`` / ``fp16`` for a run dtype (a torch dtype or its name); None if unknown."""
+    if dtype is None:
+        return None
+    return _DTYPE_TAGS.get(str(dtype).replace("torch.", ""))
+
+
+def choose(paths: list[Path], dtype=None) -> tuple[Path | None, str | None]:
+    """The file a run in ``dtype`` uses among ``paths`` (all matching one pattern), and why (None
+    when there was no choice): the run's dtype tag first, then the highest name."""
+    paths = sorted(paths, key=lambda p: p.name)
+    if not paths:
+        return None, None
+    if len(paths) == 1:
+        return paths[0], None
+    tag = dtype_tag(dtype)
+    same = [p for p in paths if tag and tag in _TAG.findall(p.name.lower())]
+    pick = (same or paths)[-1]
+    names = ", ".join(p.name for p in paths)
+    why = (f"{len(paths)} files match ({names}); picked {pick.name}: "
+           + (f"its dtype tag is the run's ({tag})" if same else
+              f"the highest name (no file tagged {tag})" if tag else "the highest name (no run dtype given)"))
+    return pick, why
+
+
+def _in_hf_cache(repo: str, pattern: str, cache_dir=None, all_hits: bool = False):
+    """The cached file matching ``pattern`` in ``repo`` (newest revision; ``all_hits``: every
+    matching file of it); never touches the network."""
     from huggingface_hub import scan_cache_dir, try_to_load_from_cache
     from huggingface_hub.errors import CacheNotFound
 
     if not any(ch in pattern for ch in "*?["):
         hit = try_to_load_from_cache(repo, pattern, cache_dir=cache_dir)
-        return Path(hit) if isinstance(hit, str) else None
+        hit = Path(hit) if isinstance(hit, str) else None
+        return ([hit] if hit else []) if all_hits else hit
     try:
         info = scan_cache_dir(cache_dir)
     except CacheNotFound:
-        return None
+        return [] if all_hits else None
     for cached in info.repos:
         if cached.repo_id != repo or cached.repo_type != "model":
             continue
         for rev in sorted(cached.revisions, key=lambda r: r.last_modified, reverse=True):
-            hits = sorted(f.file_path for f in rev.files if fnmatch.fnmatchcase(f.file_name, pattern))
+            hits = sorted(Path(f.file_path) for f in rev.files if fnmatch.fnmatchcase(f.file_name, pattern))
             if hits:
-                return Path(hits[-1])
-    return None
+                return hits if all_hits else choose(hits)[0]
+    return [] if all_hits else None
 
 
 def locate(preset: Preset, model_id: str, data_dir=None, adapter_dirs=None, hf_cache_dir=None,
-           create_demo: bool = False) -> list[Located]:
-    """Where each of the preset's files is (or that it is missing), for ``model_id``."""
+           create_demo: bool = False, dtype=None) -> list[Located]:
+    """Where each of the preset's files is (or that it is missing), for ``model_id``; when several
+    files match a pattern, the one a ``dtype`` run uses (``choose``)."""
     roots = _roots(data_dir, adapter_dirs)
     found = []
     for f in preset.files:
         if model_id.startswith("demo:"):
-            path = _in_roots(f.demo, roots, demo=True)
+            hits = _in_roots(f.demo, roots, demo=True)
+            path = hits[-1] if hits else None
             if path is None and create_demo:
                 from .distill.demo_files import write_demo_file
 
                 path = write_demo_file(model_id, f.demo, f.component, data_dir)
             found.append(Located(f, path, "demo" if path else "missing"))
             continue
-        path = _in_roots(f.pattern, roots)
-        if path is not None:
-            found.append(Located(f, path, "adapter-dir"))
-            continue
-        path = _in_hf_cache(f.repo, f.pattern, hf_cache_dir)
-        found.append(Located(f, path, "hf-cache" if path else "missing"))
+        where, hits = "adapter-dir", _in_roots(f.pattern, roots)
+        if not hits:
+            where, hits = "hf-cache", _in_hf_cache(f.repo, f.pattern, hf_cache_dir, all_hits=True)
+        path, why = choose(hits, dtype)
+        found.append(Located(f, path, where if path else "missing", tuple(hits) if len(hits) > 1 else (), why))
     return found
 
 
-def resolve_files(preset: Preset, model_id: str, data_dir=None, adapter_dirs=None, hf_cache_dir=None) -> list[Path]:
-    """The preset's files for ``model_id``, in component order; a missing one names repo and filename."""
-    located = locate(preset, model_id, data_dir, adapter_dirs, hf_cache_dir, create_demo=True)
+def resolve_files(preset: Preset, model_id: str, data_dir=None, adapter_dirs=None, hf_cache_dir=None,
+                  dtype=None) -> list[Path]:
+    """The preset's files for ``model_id``, in component order (for a run in ``dtype``: see
+    ``choose``); a missing one names repo and filename."""
+    located = locate(preset, model_id, data_dir, adapter_dirs, hf_cache_dir, create_demo=True, dtype=dtype)
     for loc in located:
         if loc.path is None:
             raise AdapterNotFound(
@@ -294,12 +401,22 @@ def list_presets(data_dir=None, adapter_dirs=None, hf_cache_dir=None) -> list[di
         rows.append({
             "id": preset.id, "title": preset.title, "pipeline": preset.pipeline, "models": list(preset.models),
             "defaults": dict(preset.defaults), "requirements": dict(preset.requirements),
+            "scheduler": dict(preset.scheduler) if preset.scheduler else None,
             "files": [{"component": loc.file.component, "repo": loc.file.repo, "pattern": loc.file.pattern,
                        "present": loc.path is not None, "path": str(loc.path) if loc.path else None,
-                       "where": loc.where, "demo": loc.file.demo} for loc in located],
+                       "where": loc.where, "demo": loc.file.demo,
+                       "candidates": [str(c) for c in loc.candidates],
+                       "choice": _choices(loc) if loc.candidates else None} for loc in located],
             "ready": bool(located) and all(loc.path is not None for loc in located),
         })
     return rows
+
+
+def _choices(loc: Located) -> str:
+    """Which candidate a bf16 and an fp32 run would use (``app.py presets`` has no run dtype)."""
+    picks = {tag: choose(list(loc.candidates), tag)[0].name for tag in ("bf16", "fp32")}
+    return (f"{len(loc.candidates)} files match; a bfloat16 run uses {picks['bf16']}, a float32 run "
+            f"{picks['fp32']} (rule: {CHOICE_RULE})")
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -312,10 +429,15 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"  models: {', '.join(row['models'])}")
         lines.append(f"  defaults: {_kv(row['defaults'])}")
         lines.append(f"  requires: {_kv(row['requirements'])}")
+        if row.get("scheduler"):
+            sched = dict(row["scheduler"])
+            lines.append(f"  scheduler (while fused): {sched.pop('class')}({_kv(sched)})")
         for f in row["files"]:
             mark = f"present ({f['where']}): {f['path']}" if f["present"] else \
                 f"MISSING: huggingface-cli download {f['repo']} --include '{f['pattern']}'"
             lines.append(f"  {f['component']}: {f['repo']} {f['pattern']}  {mark}")
+            if f.get("choice"):
+                lines.append(f"    {f['choice']}")
         lines.append(f"  demo stand-in(s), generated on use: {', '.join(f['demo'] for f in row['files'])}")
     return "\n".join(lines)
 

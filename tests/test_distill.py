@@ -119,17 +119,21 @@ def test_fused_output_equals_unfused_adapter_output(model_id, managers, data_dir
     paths = files_for(model_id, data_dir)
     m.fuse(paths)
     fused = _raw(m, model_id, image)
+    recipe = m.pipeline.scheduler  # files named like a preset's bring its scheduler
     m.restore_base()
-    base = _raw(m, model_id, image)
-
     pipe = m.pipeline
-    for i, path in enumerate(paths):  # the same files as ordinary, unfused PEFT adapters
-        extra = {"load_into_transformer_2": True} if i == 1 else {}
-        pipe.load_lora_weights(str(path), adapter_name=f"a{i}", low_cpu_mem_usage=False, **extra)
+    base_scheduler, pipe.scheduler = pipe.scheduler, recipe  # like for like: the same sampler
     try:
-        unfused = _raw(m, model_id, image)
+        base = _raw(m, model_id, image)
+        for i, path in enumerate(paths):  # the same files as ordinary, unfused PEFT adapters
+            extra = {"load_into_transformer_2": True} if i == 1 else {}
+            pipe.load_lora_weights(str(path), adapter_name=f"a{i}", low_cpu_mem_usage=False, **extra)
+        try:
+            unfused = _raw(m, model_id, image)
+        finally:
+            pipe.unload_lora_weights()
     finally:
-        pipe.unload_lora_weights()
+        pipe.scheduler = base_scheduler
     assert np.abs(fused - base).max() > 1e-2
     np.testing.assert_allclose(fused, unfused, atol=1e-4)
 

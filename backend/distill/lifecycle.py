@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,12 +46,15 @@ class FusedState:
     fuse_seconds: float
     snapshot_bytes: int
     preset: str | None = None
+    scheduler: dict | None = None  # the preset's scheduler while fused: {"class", **config}
+    choices: list = field(default_factory=list)  # why each file, where several matched its pattern
 
     def as_dict(self) -> dict:
         return {"state": "fused", "preset": self.preset, "files": [asdict(f) for f in self.files],
                 "scales": [f.scale for f in self.files], "checksums": dict(self.fused_checksums),
                 "base_checksums": dict(self.base_checksums), "fuse_seconds": round(self.fuse_seconds, 4),
-                "snapshot_bytes": self.snapshot_bytes}
+                "snapshot_bytes": self.snapshot_bytes, "scheduler": self.scheduler,
+                "choices": list(self.choices)}
 
 
 def file_sha256(path: Path) -> str:
@@ -163,6 +166,7 @@ class FusedBase:
         self._base_checksums: dict[str, str] | None = None
         self.fused: FusedState | None = None
         self.preset = None  # the presets.Preset whose contract applies while fused
+        self._base_scheduler = None  # the pipeline's own scheduler while a preset's is set
 
     # -- state --------------------------------------------------------------------------
     def state(self) -> dict:
@@ -199,8 +203,12 @@ class FusedBase:
                 self._abort()
                 raise AdapterError(f"distill file {f.path} did not change {f.component} "
                                    f"(all-zero LoRA or zero scale?)", param="lora_path")
+        scheduler = preset.build_scheduler() if getattr(preset, "scheduler", None) else None
+        if scheduler is not None:  # the recipe's sampler, for as long as its files are fused
+            self._base_scheduler = self.pipeline.scheduler
+            self.pipeline.scheduler = scheduler
         self.fused = FusedState(fused_files, dict(base), after, seconds, self.snapshot_bytes(),
-                                getattr(preset, "id", None))
+                                getattr(preset, "id", None), dict(preset.scheduler) if scheduler is not None else None)
         self.preset = preset
         return self.fused
 
@@ -211,7 +219,12 @@ class FusedBase:
             return
         self._refuse_resident_adapters("restore the base")
         self._write_back(verify)
+        self._put_back_scheduler()
         self.fused, self.preset = None, None
+
+    def _put_back_scheduler(self) -> None:
+        if self._base_scheduler is not None:
+            self.pipeline.scheduler, self._base_scheduler = self._base_scheduler, None
 
     def snapshot_bytes(self) -> int:
         return sum(s.nbytes() for s in self._snapshots.values())
@@ -279,6 +292,7 @@ class FusedBase:
         if _lora_layers_any(self.denoisers):
             self.pipeline.unload_lora_weights()
         self._write_back()
+        self._put_back_scheduler()
         self.fused, self.preset = None, None
 
     def _write_back(self, verify: bool = True) -> None:
