@@ -358,12 +358,13 @@ def locate(preset: Preset, model_id: str, data_dir=None, adapter_dirs=None, hf_c
     found = []
     for f in preset.files:
         if model_id.startswith("demo:"):
-            hits = _in_roots(f.demo, roots, demo=True)
-            path = hits[-1] if hits else None
-            if path is None and create_demo:
+            if create_demo:  # (re)written when missing or from an older generator, else reused
                 from .distill.demo_files import write_demo_file
 
                 path = write_demo_file(model_id, f.demo, f.component, data_dir)
+            else:
+                hits = _in_roots(f.demo, roots, demo=True)
+                path = hits[-1] if hits else None
             found.append(Located(f, path, "demo" if path else "missing"))
             continue
         where, hits = "adapter-dir", _in_roots(f.pattern, roots)

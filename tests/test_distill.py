@@ -114,9 +114,13 @@ def _raw(m, model_id: str, image) -> np.ndarray:
 
 
 @pytest.mark.parametrize("model_id", ["demo:qwen-image", "demo:wan2.2-t2v"])
-def test_fused_output_equals_unfused_adapter_output(model_id, managers, data_dir, image):
+def test_fused_output_equals_unfused_adapter_output(model_id, managers, data_dir, image, tmp_path):
     m = managers(model_id)
-    paths = files_for(model_id, data_dir)
+    # LoRA pairs only: diffusers' PEFT path has no way to apply diff / norm diff / diff_m unfused
+    # (test_distill_recipes checks those against the files' own tensors)
+    preset = get_preset(PRESET_FOR[model_id])
+    paths = [write_demo_file(model_id, f.demo, f.component, data_dir, target_dir=tmp_path, lora_only=True)
+             for f in preset.files]
     m.fuse(paths)
     fused = _raw(m, model_id, image)
     recipe = m.pipeline.scheduler  # files named like a preset's bring its scheduler
@@ -175,7 +179,9 @@ def test_demo_files_use_the_publishers_key_layouts(data_dir, tmp_path):
                           data_dir=data_dir)
     with safe_open(str(wan), "pt") as f:
         keys = set(f.keys())
-    assert all(k.startswith("diffusion_model.blocks.") for k in keys)
+    assert all(k.startswith("diffusion_model.blocks.") or k.startswith("diffusion_model.head.head.") for k in keys)
+    assert {"diffusion_model.blocks.0.diff_m", "diffusion_model.blocks.0.self_attn.norm_q.diff",
+            "diffusion_model.head.head.diff", "diffusion_model.head.head.diff_b"} <= keys
     assert "diffusion_model.blocks.0.self_attn.q.lora_down.weight" in keys
     assert "diffusion_model.blocks.0.cross_attn.o.lora_up.weight" in keys
     assert "diffusion_model.blocks.1.ffn.2.alpha" in keys
@@ -278,7 +284,8 @@ def test_peft_layers_on_a_fused_base_come_off_to_the_fused_state(managers, data_
     req = request_for("demo:wan2.1-t2v", None)
     fused = pixels(m.generate(req))
     # a per-request adapter (PEFT, unfused) on top of the fused base: another lightx2v-layout file
-    style = write_demo_file("demo:wan2.1-t2v", "style_lora_rank64.safetensors", data_dir=data_dir)
+    style = write_demo_file("demo:wan2.1-t2v", "style_lora_rank64.safetensors", data_dir=data_dir,
+                            lora_only=True)
     m.pipeline.load_lora_weights(str(style), adapter_name="style", low_cpu_mem_usage=False)
     try:
         assert np.abs(pixels(m.generate(req)) - fused).mean() > 1.0
@@ -359,7 +366,7 @@ def test_per_request_engine_adapter_on_a_fused_base_restores_to_the_fused_checks
     m = managers("demo:wan2.1-t2v")
     distill = files_for("demo:wan2.1-t2v", data_dir)[0]
     style = LoRARequest("style", 7, str(write_demo_file("demo:wan2.1-t2v", "style_lora_rank64.safetensors",
-                                                       data_dir=data_dir)))
+                                                       data_dir=data_dir, lora_only=True)))
     req = request_for("demo:wan2.1-t2v", None)
     attach(m)
     try:

@@ -61,7 +61,7 @@ def test_cli_wan22_i2v_distill_with_the_seed_flags(data_dir, tmp_path):
     out = tmp_path / "clip.mp4"
     proc = run("generate", "--model", "demo:wan2.2-i2v", "--lora-backend", "distill", "--lora-path", high, low,
                "--prompt", "A cat playing with yarn", "--image", str(image), "--num-frames", "9",
-               "--num-inference-steps", "4", "--flow-shift", "12", "--sample-solver", "euler",
+               "--num-inference-steps", "4", "--flow-shift", "5", "--sample-solver", "euler",
                "--guidance-scale", "1.0", "--guidance-scale-high", "1.0", "--boundary-ratio", "0.875",
                "--output", str(out), data_dir=data_dir)
     assert proc.returncode == 0, proc.stderr
@@ -69,7 +69,12 @@ def test_cli_wan22_i2v_distill_with_the_seed_flags(data_dir, tmp_path):
     meta = json.loads(Path(str(out) + ".json").read_text())  # the sidecar
     assert meta["distill"]["preset"] == "wan2.2-i2v-a14b-lightx2v-4step"
     assert [f["component"] for f in meta["distill"]["files"]] == ["transformer", "transformer_2"]
-    assert meta["params"]["flow_shift"] == 12.0 and meta["params"]["num_inference_steps"] == 4
+    assert meta["params"]["flow_shift"] == 5.0 and meta["params"]["num_inference_steps"] == 4
+    assert meta["distill"]["scheduler"]["class"] == "StepListFlowMatchScheduler"  # LightX2V's recipe
+    # the files carry their preset's sampling contract: LightX2V's shift is 5, so 12 is refused by name
+    shifted = run("generate", "--model", "demo:wan2.2-i2v", "--lora-backend", "distill", "--lora-path", high, low,
+                  "--prompt", "x", "--image", str(image), "--flow-shift", "12", data_dir=data_dir)
+    assert shifted.returncode == 2 and "flow_shift=12.0 breaks preset 'wan2.2-i2v-a14b-lightx2v-4step'" in shifted.stderr
     bad = run("generate", "--model", "demo:wan2.2-i2v", "--lora-backend", "distill", "--lora-path", low, high,
               "--prompt", "x", "--image", str(image), data_dir=data_dir)
     assert bad.returncode == 2 and "wrong order" in bad.stderr and Path(low).name in bad.stderr

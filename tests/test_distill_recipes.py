@@ -226,3 +226,153 @@ def test_fp32_and_bf16_both_present_the_run_dtype_picks_and_the_listing_says_so(
         assert (f"2 files match; a bfloat16 run uses Qwen-Image-2512-Lightning-{steps}-V1.0-bf16.safetensors, "
                 f"a float32 run Qwen-Image-2512-Lightning-{steps}-V1.0-fp32.safetensors") in out.stdout
     assert "the run's dtype" in out.stdout
+
+
+# -- 3. the publishers' key kinds, each applied ---------------------------------------------------
+# written out here, independently of backend/lora/convert.py: lightx2v (original Wan) module -> diffusers
+WAN_MODULES = {"self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
+               "self_attn.o": "attn1.to_out.0", "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k",
+               "cross_attn.v": "attn2.to_v", "cross_attn.o": "attn2.to_out.0", "ffn.0": "ffn.net.0.proj",
+               "ffn.2": "ffn.net.2", "self_attn.norm_q": "attn1.norm_q", "self_attn.norm_k": "attn1.norm_k",
+               "cross_attn.norm_q": "attn2.norm_q", "cross_attn.norm_k": "attn2.norm_k"}
+IMAGE_BRANCH = re.compile(r"\.cross_attn\.(k_img|v_img|norm_k_img)\.")
+
+
+def kind_of(key: str) -> str:
+    for suffix, kind in ((".lora_down.weight", "lora_down"), (".lora_up.weight", "lora_up"), (".alpha", "alpha"),
+                         (".diff_b", "diff_b"), (".diff_m", "diff_m")):
+        if key.endswith(suffix):
+            return kind
+    assert key.endswith(".diff"), key
+    return "norm diff" if ".norm" in key else "diff"
+
+
+def reference(base: dict, path, scale: float, wan: bool) -> tuple[dict, int]:
+    """The fused state dict computed from the file's own tensors: W + up@down*alpha/rank*scale,
+    + diff, bias + diff_b, norm weight + diff, scale_shift_table + diff_m. Also returns how many
+    keys name the CLIP image branch (absent from Wan2.2 A14B)."""
+    sd = {k: v.double() for k, v in load_file(str(path)).items()}
+    ref = {k: v.double().clone() for k, v in base.items()}
+    skipped = 0
+
+    def target(stem: str) -> str:
+        if not wan:
+            return stem
+        stem = stem.removeprefix("diffusion_model.")
+        if stem == "head.head":
+            return "proj_out"
+        _, n, rest = stem.split(".", 2)
+        return f"blocks.{n}.{WAN_MODULES[rest]}"
+
+    for key, t in sd.items():
+        if wan and IMAGE_BRANCH.search(key):
+            skipped += 1
+            continue
+        kind = kind_of(key)
+        if kind == "lora_down":
+            stem = key[: -len(".lora_down.weight")]
+            up, alpha = sd[f"{stem}.lora_up.weight"], sd[f"{stem}.alpha"].item()
+            ref[f"{target(stem)}.weight"] += up @ t * (alpha / t.shape[0]) * scale
+        elif kind in ("diff", "norm diff"):
+            ref[f"{target(key[:-len('.diff')])}.weight"] += t * scale
+        elif kind == "diff_b":
+            ref[f"{target(key[:-len('.diff_b')])}.bias"] += t * scale
+        elif kind == "diff_m":
+            ref[f"{key.removeprefix('diffusion_model.')[:-len('.diff_m')]}.scale_shift_table"] += t * scale
+    return ref, skipped
+
+
+@pytest.mark.parametrize("preset_id,scale", [("qwen-image-2512-lightning-4step", 1.0),
+                                             ("wan2.1-t2v-lightx2v-4step", 1.0),
+                                             ("wan2.2-t2v-a14b-lightx2v-4step", 0.7),
+                                             ("wan2.2-i2v-a14b-lightx2v-4step", 1.0)])
+def test_every_key_kind_is_applied_as_the_file_says_and_restore_is_bit_exact(preset_id, scale, managers, data_dir):
+    from backend.presets import get_preset, resolve_files
+
+    model_id = PRESET_MODEL[preset_id]
+    wan = model_id.startswith("demo:wan")
+    m = managers(model_id)
+    preset = get_preset(preset_id)
+    paths = resolve_files(preset, model_id, data_dir)
+    base = {c: {k: v.detach().clone() for k, v in mod.state_dict().items()} for c, mod in m.denoisers().items()}
+    state = m.fuse(paths, [scale] * len(paths))
+    assert state["preset"] == preset_id
+    for f, path in zip(state["files"], paths):
+        keys = list(load_file(str(path)))
+        counts = {}
+        for k in keys:
+            counts[kind_of(k)] = counts.get(kind_of(k), 0) + 1
+        # the stand-in carries every kind the published files do, at the real prefixes
+        if wan:
+            assert all(counts.get(k) for k in ("lora_down", "lora_up", "alpha", "diff", "diff_b", "norm diff",
+                                               "diff_m")), counts
+            assert all(k.startswith("diffusion_model.") for k in keys)
+            assert any(re.fullmatch(r"diffusion_model\.blocks\.\d+\.diff_m", k) for k in keys)
+        else:  # Lightning: bare diffusers module names, LoRA pairs and alphas only
+            assert set(counts) == {"lora_down", "lora_up", "alpha"}
+            assert all(k.startswith("transformer_blocks.") for k in keys)
+        # the fit report lists each kind with its count; nothing left out of it
+        assert {k: v for k, v in f["keys"].items() if v} == counts
+        ref, skipped = reference(base[f["component"]], path, scale, wan)
+        assert sum(g["count"] for g in f["ignored"]) == skipped
+        if model_id == "demo:wan2.2-i2v":
+            assert skipped > 0 and "CLIP image branch" in f["ignored"][0]["why"]
+        fused = m.denoisers()[f["component"]].state_dict()
+        changed = 0
+        for name, value in fused.items():
+            torch.testing.assert_close(value.double(), ref[name], atol=2e-6, rtol=1e-5, msg=name)
+            changed += not torch.equal(value, base[f["component"]][name])
+        assert changed == f["layers"] + f["deltas"]  # each LoRA pair moved one weight, each delta one tensor
+        assert f["deltas"] == sum(counts.get(k, 0) for k in ("diff", "diff_b", "norm diff", "diff_m")) - \
+            sum(1 for k in keys if IMAGE_BRANCH.search(k) and not k.endswith(("lora_down.weight", "lora_up.weight",
+                                                                                ".alpha")))
+    m.restore_base()
+    for c, mod in m.denoisers().items():
+        for name, value in mod.state_dict().items():
+            assert torch.equal(value, base[c][name]), (c, name)
+
+
+def _edited(src, dst, edit):
+    from safetensors.torch import save_file
+
+    sd = load_file(str(src))
+    edit(sd)
+    save_file(sd, str(dst))
+    return dst
+
+
+@pytest.mark.parametrize("how,match", [
+    ("unknown kind", r"key 'diffusion_model\.blocks\.0\.self_attn\.q\.lokr_w1' is of no kind"),
+    ("diff shape", r"key 'diffusion_model\.blocks\.1\.diff_m' \(diff_m\) has shape \(1, 5, 24\)"),
+    ("diff on nothing", r"key 'diffusion_model\.blocks\.0\.self_attn\.norm_x\.diff' \(norm diff\) names no parameter"),
+])
+def test_a_key_that_cannot_be_applied_is_refused_by_name_and_nothing_changes(how, match, managers, data_dir,
+                                                                             tmp_path):
+    from backend.errors import AdapterError
+    from backend.presets import get_preset, resolve_files
+
+    m = managers("demo:wan2.1-t2v")
+    [src] = resolve_files(get_preset("wan2.1-t2v-lightx2v-4step"), "demo:wan2.1-t2v", data_dir)
+    edits = {"unknown kind": lambda sd: sd.__setitem__("diffusion_model.blocks.0.self_attn.q.lokr_w1", torch.zeros(2)),
+             "diff shape": lambda sd: sd.__setitem__("diffusion_model.blocks.1.diff_m", torch.zeros(1, 5, 24)),
+             "diff on nothing": lambda sd: sd.__setitem__("diffusion_model.blocks.0.self_attn.norm_x.diff",
+                                                          torch.zeros(24))}
+    bad = _edited(src, tmp_path / src.name, edits[how])
+    before = {k: v.clone() for k, v in m.pipeline.transformer.state_dict().items()}
+    with pytest.raises(AdapterError, match=match):
+        m.fuse([bad])
+    assert m.fused_state()["state"] == "base"
+    assert all(torch.equal(v, before[k]) for k, v in m.pipeline.transformer.state_dict().items())
+
+
+def test_a_non_lora_key_on_qwen_is_refused_by_name(managers, data_dir, tmp_path):
+    from backend.errors import AdapterError
+    from backend.presets import get_preset, resolve_files
+
+    m = managers("demo:qwen-image")
+    [src] = resolve_files(get_preset("qwen-image-2512-lightning-4step"), "demo:qwen-image", data_dir)
+    bad = _edited(src, tmp_path / src.name,
+                  lambda sd: sd.__setitem__("transformer_blocks.0.attn.to_q.diff", torch.zeros(24, 24)))
+    with pytest.raises(AdapterError, match=r"key 'transformer_blocks\.0\.attn\.to_q\.diff' is a diff key"):
+        m.fuse([bad])
+    assert m.fused_state()["state"] == "base"

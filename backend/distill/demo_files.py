@@ -3,10 +3,15 @@
 Each file is written in the publisher's real key layout, so the same converter path
 (diffusers' own ``lora_state_dict``) runs on them as on the real download:
 
-- lightx2v Wan (``lightx2v/Wan2.1-Distill-Loras``, ``lightx2v/Wan2.2-Distill-Loras``):
+- lightx2v Wan (``lightx2v/Wan2.1-Distill-Loras``, ``lightx2v/Wan2.2-Distill-Loras``): every
+  key kind the published files carry (``backend.lora.convert.KEY_KINDS``):
   ``diffusion_model.blocks.N.{self_attn,cross_attn}.{q,k,v,o}`` and ``ffn.{0,2}`` with
-  ``lora_down.weight`` / ``lora_up.weight`` / ``alpha``, plus ``diff_b`` (a bias delta)
-  on some modules only.
+  ``lora_down.weight`` / ``lora_up.weight`` / ``alpha``; ``diff_b`` (a bias delta) on some of
+  them only; ``diff`` on the norms (``self_attn.norm_{q,k}``, ``cross_attn.norm_{q,k}``);
+  ``blocks.N.diff_m`` (the modulation table); a full-weight ``diff`` + ``diff_b`` on the output
+  Linear ``head.head``. The Wan2.2 I2V files also carry the
+  CLIP image branch (``cross_attn.{k_img,v_img}`` LoRA + ``diff_b``, ``cross_attn.norm_k_img.diff``),
+  which Wan2.2 A14B does not have.
 - Qwen-Image-Lightning (``lightx2v/Qwen-Image-2512-Lightning``): bare
   ``transformer_blocks.N.<diffusers module>.lora_down.weight`` / ``lora_up.weight`` / ``alpha``.
 
@@ -30,9 +35,10 @@ SUBDIR = "distill"
 RANK = 4
 ALPHA = 8.0  # alpha != rank, so the converters' alpha/rank scaling is exercised
 # Factor std per layout: large enough that the tiny demo model's output visibly changes.
-STD = {"qwen-lightning": 0.25, "lightx2v-wan": 0.3}
+STD = {"qwen-lightning": 0.25, "lightx2v-wan": 0.3, "lightx2v-wan-i2v": 0.3}
+DELTA_STD = 0.05  # diff / diff_b / norm diff / diff_m: full-tensor deltas
 # Bump when the generator changes, so stale stand-ins are rewritten.
-BUILD_VERSION = 2
+BUILD_VERSION = 4
 
 # diffusers module (under blocks.N.) -> lightx2v / original Wan name
 _WAN_MODULES = {
@@ -44,13 +50,19 @@ _WAN_MODULES = {
 }
 # modules that carry a diff_b in the demo files (lightx2v ships it on only some of them)
 _WAN_DIFF_B = ("self_attn.o", "ffn.0")
+# norms with a `.diff` (lightx2v name -> diffusers name under blocks.N.)
+_WAN_NORMS = {"self_attn.norm_q": "attn1.norm_q", "self_attn.norm_k": "attn1.norm_k",
+              "cross_attn.norm_q": "attn2.norm_q", "cross_attn.norm_k": "attn2.norm_k"}
+# Linear layers outside the blocks with a full `.diff` (and `.diff_b`): lightx2v name -> diffusers name
+# (the published Wan2.2 files carry head.head.diff + head.head.diff_b: diffusers PR #12541 reads them)
+_WAN_FULL_DIFF = {"head.head": "proj_out"}
 
 _QWEN_MODULES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
                  "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj",
                  "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 
 LAYOUTS = {"QwenImagePipeline": "qwen-lightning", "WanPipeline": "lightx2v-wan",
-           "WanImageToVideoPipeline": "lightx2v-wan"}
+           "WanImageToVideoPipeline": "lightx2v-wan-i2v"}
 
 
 def demo_dir(data_dir=None) -> Path:
@@ -89,8 +101,11 @@ def build_state_dict(model_dir: Path, layout: str, component: str, seed: int, ra
         up = torch.randn(out_f, rank, generator=gen) * std
         return down, up
 
+    def delta(shape):
+        return torch.randn(*shape, generator=gen) * DELTA_STD
+
     sd: dict[str, torch.Tensor] = {}
-    if layout == "lightx2v-wan":
+    if layout in ("lightx2v-wan", "lightx2v-wan-i2v"):
         for i in _blocks(shapes, "blocks"):
             for module, orig in _WAN_MODULES.items():
                 out_f, in_f = shapes[f"blocks.{i}.{module}.weight"]
@@ -99,7 +114,21 @@ def build_state_dict(model_dir: Path, layout: str, component: str, seed: int, ra
                 sd[f"{key}.lora_down.weight"], sd[f"{key}.lora_up.weight"] = down, up
                 sd[f"{key}.alpha"] = torch.tensor(ALPHA)
                 if orig in _WAN_DIFF_B and i % 2 == 0:
-                    sd[f"{key}.diff_b"] = torch.randn(out_f, generator=gen) * 0.05
+                    sd[f"{key}.diff_b"] = delta((out_f,))
+            for orig, module in _WAN_NORMS.items():
+                sd[f"diffusion_model.blocks.{i}.{orig}.diff"] = delta(shapes[f"blocks.{i}.{module}.weight"])
+            sd[f"diffusion_model.blocks.{i}.diff_m"] = delta(shapes[f"blocks.{i}.scale_shift_table"])
+            if layout == "lightx2v-wan-i2v":  # the CLIP image branch (absent from Wan2.2 A14B)
+                dim = shapes[f"blocks.{i}.attn2.to_k.weight"][0]
+                for orig in ("cross_attn.k_img", "cross_attn.v_img"):
+                    key = f"diffusion_model.blocks.{i}.{orig}"
+                    sd[f"{key}.lora_down.weight"], sd[f"{key}.lora_up.weight"] = pair(dim, dim)
+                    sd[f"{key}.alpha"] = torch.tensor(ALPHA)
+                    sd[f"{key}.diff_b"] = delta((dim,))
+                sd[f"diffusion_model.blocks.{i}.cross_attn.norm_k_img.diff"] = delta((dim,))
+        for orig, module in _WAN_FULL_DIFF.items():
+            sd[f"diffusion_model.{orig}.diff"] = delta(shapes[f"{module}.weight"])
+            sd[f"diffusion_model.{orig}.diff_b"] = delta(shapes[f"{module}.bias"])
     elif layout == "qwen-lightning":
         for i in _blocks(shapes, "transformer_blocks"):
             for module in _QWEN_MODULES:
@@ -115,8 +144,9 @@ def build_state_dict(model_dir: Path, layout: str, component: str, seed: int, ra
 
 
 def write_demo_file(model_id: str, filename: str, component: str = "transformer", data_dir=None,
-                    target_dir: Path | None = None) -> Path:
-    """Write (once) the stand-in ``filename`` for demo model ``model_id``; returns its path."""
+                    target_dir: Path | None = None, lora_only: bool = False) -> Path:
+    """Write (once) the stand-in ``filename`` for demo model ``model_id``; returns its path.
+    ``lora_only``: LoRA pairs and alphas only (an ordinary style LoRA in the same layout)."""
     from safetensors.torch import save_file
 
     from .. import demo
@@ -130,10 +160,13 @@ def write_demo_file(model_id: str, filename: str, component: str = "transformer"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / filename
     marker = json.dumps({"model": model_id, "layout": layout, "component": component, "rank": RANK,
-                         "alpha": ALPHA, "std": STD[layout], "build_version": BUILD_VERSION}, sort_keys=True)
+                         "alpha": ALPHA, "std": STD[layout], "build_version": BUILD_VERSION,
+                         "lora_only": lora_only}, sort_keys=True)
     if path.is_file() and _marker(path) == marker:
         return path
     sd = build_state_dict(resolved.path, layout, component, _seed(filename))
+    if lora_only:
+        sd = {k: v for k, v in sd.items() if k.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))}
     meta = {"lora_studio_demo": marker}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(sd, str(tmp), metadata=meta)

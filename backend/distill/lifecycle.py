@@ -35,7 +35,10 @@ class FusedFile:
     component: str
     scale: float
     sha256: str
-    layers: int  # Linear layers the file changed
+    layers: int  # Linear layers the file's LoRA pairs changed
+    keys: dict = field(default_factory=dict)  # the fit report: key kind -> how many keys of it the file has
+    deltas: int = 0  # full-tensor deltas applied (diff, diff_b, norm diff, diff_m)
+    ignored: list = field(default_factory=list)  # {why, count, keys (first 3)}: keys naming nothing here
 
 
 @dataclass
@@ -114,7 +117,7 @@ class CheckpointCopy:
     def verified(cls, layer, prefix: str, names: list[str], files: CheckpointFiles) -> "CheckpointCopy | None":
         for n in names:
             current = getattr(layer, n)
-            stored = files.read(f"{prefix}.{n}")
+            stored = files.read(f"{prefix}.{n}" if prefix else n)
             if stored is None or stored.shape != current.shape or \
                     not torch.equal(stored.to(current.dtype), current.detach().cpu()):
                 return None
@@ -124,7 +127,7 @@ class CheckpointCopy:
         with torch.no_grad():
             for n in self.names:
                 param = getattr(self.layer, n)
-                param.data.copy_(self.files.read(f"{self.prefix}.{n}").to(param.dtype))
+                param.data.copy_(self.files.read(f"{self.prefix}.{n}" if self.prefix else n).to(param.dtype))
 
     def nbytes(self) -> int:
         return 0
@@ -231,9 +234,71 @@ class FusedBase:
 
     # -- internals -----------------------------------------------------------------------
     def _fuse_one(self, a: Assignment, adapter: str) -> FusedFile:
-        pipe, module = self.pipeline, self.denoisers[a.component]
         try:
-            state_dict = pipe.lora_state_dict(str(a.path))
+            from safetensors.torch import load_file
+
+            raw = load_file(str(a.path))
+        except Exception as exc:
+            raise AdapterError(f"cannot read distill file {a.path}: {_one_line(exc)}", param="lora_path") from exc
+        module = self.denoisers[a.component]
+        lora_part, deltas, kinds, ignored = self._split(a, raw, module)
+        layers = self._fuse_lora_pairs(a, adapter, lora_part, module) if lora_part else []
+        self._apply_deltas(a, deltas)
+        grouped: dict[str, list[str]] = {}
+        for k, why in ignored:
+            grouped.setdefault(why, []).append(k)
+        return FusedFile(str(a.path), a.component, a.scale, file_sha256(a.path), len(layers), kinds, len(deltas),
+                         [{"why": why, "count": len(keys), "keys": keys[:3]} for why, keys in grouped.items()])
+
+    def _split(self, a: Assignment, raw: dict, module: torch.nn.Module):
+        """Sort the file's keys by kind: LoRA pairs (diffusers fuses them), full-tensor deltas (applied
+        here), and keys for a part this model does not have (reported, never silently dropped).
+        A key of no known kind, or one naming nothing it could change, is refused by name."""
+        from ..lora.convert import KEY_KINDS, classify_wan_key
+
+        names = dict(module.named_modules())
+        image_branch = any(n.endswith("attn2.add_k_proj") for n in names)
+        wan = self.class_name.startswith("Wan")
+        absent = ("CLIP image branch (k_img/v_img/norm_k_img/img_emb): this model has none, as Wan2.2 A14B; "
+                  "LightX2V's own loader skips these keys there too")
+        lora_part, deltas, ignored = {}, [], []
+        kinds = {k: 0 for k in KEY_KINDS}
+        for key, tensor in raw.items():
+            target = classify_wan_key(key)
+            if target.kind == "unknown":
+                raise AdapterError(f"distill file {a.path.name}: key {key!r} is of no kind the distill backend "
+                                   f"applies ({', '.join(KEY_KINDS)}); refusing it rather than dropping it",
+                                   param="lora_path")
+            kinds[target.kind] += 1
+            if wan and target.image_branch and not image_branch:
+                ignored.append((key, absent))
+                continue
+            if target.kind in ("lora_down", "lora_up", "alpha"):
+                lora_part[key] = tensor
+                continue
+            if not wan:
+                raise AdapterError(f"distill file {a.path.name}: key {key!r} is a {target.kind} key; the distill "
+                                   f"backend applies those to Wan (lightx2v layout) only, not {self.class_name}",
+                                   param="lora_path")
+            owner = names.get(target.module) if target.module is not None else None
+            param = getattr(owner, target.param, None) if owner is not None else None
+            where = ".".join(p for p in (a.component, target.module, target.param) if p)
+            if not isinstance(param, torch.Tensor):
+                raise AdapterError(f"distill file {a.path.name}: key {key!r} ({target.kind}) names no parameter of "
+                                   f"{a.component} (looked for {where}); is it for another model?", param="lora_path")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise AdapterError(f"distill file {a.path.name}: key {key!r} ({target.kind}) has shape "
+                                   f"{tuple(tensor.shape)}, but {where} is {tuple(param.shape)}", param="lora_path")
+            deltas.append((target, owner, tensor))
+        if not lora_part and not deltas:
+            raise AdapterError(f"distill file {a.path.name} bound to no layer of {a.component}", param="lora_path")
+        return lora_part, deltas, kinds, ignored
+
+    def _fuse_lora_pairs(self, a: Assignment, adapter: str, lora_part: dict, module: torch.nn.Module) -> list:
+        """The file's LoRA pairs, through diffusers: its converter, PEFT injection, fuse, unload."""
+        pipe = self.pipeline
+        try:
+            state_dict = pipe.lora_state_dict(lora_part)
         except Exception as exc:
             raise AdapterError(f"cannot read distill file {a.path}: {_one_line(exc)}", param="lora_path") from exc
         if isinstance(state_dict, tuple):  # some mixins return (state_dict, network_alphas)
@@ -258,10 +323,31 @@ class FusedBase:
                                param="lora_path") from exc
         finally:
             pipe.unload_lora_weights()  # also on failure: no half-loaded adapter stays behind
-        return FusedFile(str(a.path), a.component, a.scale, file_sha256(a.path), len(layers))
+        return layers
 
-    def _keep(self, component: str, name: str, base_layer: torch.nn.Module):
-        names = [p for p in ("weight", "bias") if getattr(base_layer, p, None) is not None]
+    def _apply_deltas(self, a: Assignment, deltas: list) -> None:
+        """``param += scale * delta`` for each full-tensor key (LightX2V's own rule), after keeping
+        the base of every parameter it writes."""
+        for target, owner, tensor in deltas:
+            key = (a.component, target.module)
+            snap = self._snapshots.get(key)
+            if snap is None:  # the module's weight and bias too: a later key may write the other one
+                names = [n for n in ("weight", "bias") if isinstance(getattr(owner, n, None), torch.Tensor)]
+                names += [] if target.param in names else [target.param]
+                self._snapshots[key] = self._keep(a.component, target.module, owner, names)
+            elif isinstance(snap, WeightSnapshot):
+                snap.capture([target.param])
+            elif target.param not in snap.names:  # a checkpoint copy of the module's other tensors
+                extra = WeightSnapshot(owner)
+                extra.capture([target.param])
+                self._snapshots[(a.component, f"{target.module}#{target.param}")] = extra
+            param = getattr(owner, target.param)
+            with torch.no_grad():
+                summed = param.detach().float() + a.scale * tensor.to(param.device).float()
+                param.data.copy_(summed.to(param.dtype))
+
+    def _keep(self, component: str, name: str, base_layer: torch.nn.Module, names=None):
+        names = names or [p for p in ("weight", "bias") if getattr(base_layer, p, None) is not None]
         files = self._checkpoints.get(component)
         if files is not None:
             copy = CheckpointCopy.verified(base_layer, name, names, files)

@@ -142,6 +142,10 @@ def _drop_norm_diffs(tensors: dict, ignored: list, unmatched: list) -> dict:
         if key.endswith(".diff") and not key.startswith("diffusion_model.head.head"):
             unmatched.append((key, "full-weight .diff key: not applied by diffusers' converter"))
             continue
+        if key.endswith(".diff_m"):
+            unmatched.append((key, "modulation delta (diff_m): not applied by diffusers' converter "
+                                   "(the distill backend applies it)"))
+            continue
         kept[key] = t
     return kept
 
@@ -186,3 +190,82 @@ def _scaling(config: dict | None, module: str, r_stored: int) -> float:
         return float(alpha) / math.sqrt(float(r))
     return float(alpha) / float(r)
 
+
+
+# -- lightx2v / ComfyUI key kinds (Wan) --------------------------------------------------------
+# Published lightx2v Wan distill files carry, beside ``lora_down.weight`` / ``lora_up.weight`` /
+# ``alpha``, full-tensor deltas that diffusers' converter drops or only partly applies:
+#   ``<linear>.diff``    a full weight delta          ``<linear>.diff_b``  a bias delta
+#   ``<norm>.diff``      a delta on the norm's weight  ``blocks.N.diff_m`` a delta on the block's
+#                                                      modulation table (diffusers: scale_shift_table)
+# LightX2V itself applies every one as ``param += delta * strength`` (its lora_adapter).
+KEY_KINDS = ("lora_down", "lora_up", "alpha", "diff", "diff_b", "norm diff", "diff_m")
+
+# original Wan module path (under blocks.N. or top level) -> diffusers module path
+_WAN_BLOCK_MODULES = {
+    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
+    "self_attn.o": "attn1.to_out.0", "self_attn.norm_q": "attn1.norm_q", "self_attn.norm_k": "attn1.norm_k",
+    "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v",
+    "cross_attn.o": "attn2.to_out.0", "cross_attn.norm_q": "attn2.norm_q", "cross_attn.norm_k": "attn2.norm_k",
+    "cross_attn.k_img": "attn2.add_k_proj", "cross_attn.v_img": "attn2.add_v_proj",
+    "cross_attn.norm_k_img": "attn2.norm_added_k",
+    "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2", "norm3": "norm2",  # Wan's norm3 is diffusers' norm2
+}
+_WAN_TOP_MODULES = {
+    "head.head": "proj_out", "patch_embedding": "patch_embedding",
+    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+    "time_projection.1": "condition_embedder.time_proj",
+    "img_emb.proj.0": "condition_embedder.image_embedder.norm1",
+    "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
+    "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
+    "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
+}
+# the CLIP image branch: Wan2.1 I2V has it, Wan2.2 A14B does not (lightx2v's Wan2.2 I2V files still
+# carry keys for it, which LightX2V's own loader skips there as naming no parameter)
+IMAGE_BRANCH = ("cross_attn.k_img", "cross_attn.v_img", "cross_attn.norm_k_img", "img_emb.")
+
+
+@dataclass(frozen=True)
+class KeyTarget:
+    """What one key of a lightx2v Wan file is, and which diffusers parameter it changes."""
+
+    key: str
+    kind: str  # one of KEY_KINDS
+    module: str | None  # diffusers module path (None: the key names no known Wan module)
+    param: str  # parameter of that module: weight, bias or scale_shift_table
+    image_branch: bool = False
+
+
+def wan_module(original: str) -> str | None:
+    """Diffusers module path for an original Wan module path (``blocks.3.self_attn.q`` ...)."""
+    if original.startswith("blocks."):
+        _, n, rest = original.split(".", 2)
+        mapped = _WAN_BLOCK_MODULES.get(rest)
+        return f"blocks.{n}.{mapped}" if mapped else None
+    return _WAN_TOP_MODULES.get(original)
+
+
+def classify_wan_key(key: str) -> KeyTarget:
+    """The kind of ``key`` (``diffusion_model.`` prefix optional) and the parameter it targets."""
+    bare = key.removeprefix("diffusion_model.")
+    for suffix, kind, param in ((".lora_down.weight", "lora_down", "weight"), (".lora_up.weight", "lora_up", "weight"),
+                                (".lora_A.weight", "lora_down", "weight"), (".lora_B.weight", "lora_up", "weight"),
+                                (".alpha", "alpha", "weight"), (".diff_b", "diff_b", "bias"),
+                                (".diff_m", "diff_m", "scale_shift_table"), (".diff", "diff", "weight")):
+        if bare.endswith(suffix):
+            original = bare[: -len(suffix)]
+            break
+    else:
+        return KeyTarget(key, "unknown", None, "")
+    image = any(original.endswith(p) or f".{p}" in original or original.startswith(p) for p in IMAGE_BRANCH)
+    if kind == "diff_m":  # blocks.N.diff_m -> blocks.N.scale_shift_table; head.diff_m -> scale_shift_table
+        if original.startswith("blocks.") and original.count(".") == 1:
+            return KeyTarget(key, kind, original, param)
+        return KeyTarget(key, kind, "" if original == "head" else None, param)
+    module = wan_module(original)
+    if kind == "diff" and "norm" in original.rsplit(".", 1)[-1]:
+        kind = "norm diff"
+    return KeyTarget(key, kind, module, param, image)
