@@ -147,6 +147,10 @@ def load_preset(path: Path) -> Preset:
         if name in defaults and defaults[name] != value:
             raise PresetError(f"{where}: key 'defaults.{name}' = {defaults[name]!r} breaks "
                               f"'requirements.{name}' = {value!r}", param=name)
+    steps = (scheduler or {}).get("denoising_step_list")
+    if steps is not None and requirements.get("num_inference_steps") != len(steps):
+        raise PresetError(f"{where}: key 'scheduler.denoising_step_list' has {len(steps)} timesteps, so "
+                          f"'requirements.num_inference_steps' must be {len(steps)}", param="num_inference_steps")
     return Preset(data["id"], data["title"], data["pipeline"], tuple(models), tuple(files), defaults,
                   requirements, data.get("description", ""), path, scheduler)
 

@@ -65,6 +65,15 @@ def _variant(tmp_path: Path, old: str, new: str, name="wan2.2-t2v-a14b-lightx2v-
     ('pipeline = "WanPipeline"', 'pipeline = "FluxPipeline"', r"key 'pipeline' 'FluxPipeline' is not a supported"),
     ('demo = "wan2.2_t2v_A14b_high_noise', 'demo = "renamed_high_noise', r"'files\[0\].demo' .* does not match"),
     ('guidance_scale = 1.0', 'guidance_scale = "one"', r"bad value for 'defaults.guidance_scale'"),
+    # [scheduler]: a class a preset can set, fields that class takes, a config it accepts, and a
+    # contract that agrees with it (flow_shift / sample_solver / the step list's length)
+    ('class = "StepListFlowMatchScheduler"', 'class = "DDIMScheduler"', r"'scheduler.class' 'DDIMScheduler' is not"),
+    ('shift = 5.0\nnum_train', 'shift = 5.0\nflow_shift = 5.0\nnum_train', r"unknown key 'scheduler.flow_shift'"),
+    ('class = "StepListFlowMatchScheduler"\n', '', r"missing key 'scheduler.class'"),
+    ('shift = 5.0\nnum_train', 'shift = 3.0\nnum_train',
+     r"'requirements.flow_shift' = 5.0 contradicts the \[scheduler\] table, which means flow_shift=3.0"),
+    ('denoising_step_list = [1000, 750, 500, 250]', 'denoising_step_list = [1000, 500]',
+     r"has 2 timesteps, so 'requirements.num_inference_steps' must be 2"),
 ])
 def test_a_malformed_preset_names_the_file_and_the_key(tmp_path, old, new, message):
     path = _variant(tmp_path, old, new)
