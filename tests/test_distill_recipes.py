@@ -345,6 +345,8 @@ def _edited(src, dst, edit):
     ("unknown kind", r"key 'diffusion_model\.blocks\.0\.self_attn\.q\.lokr_w1' is of no kind"),
     ("diff shape", r"key 'diffusion_model\.blocks\.1\.diff_m' \(diff_m\) has shape \(1, 5, 24\)"),
     ("diff on nothing", r"key 'diffusion_model\.blocks\.0\.self_attn\.norm_x\.diff' \(norm diff\) names no parameter"),
+    ("diff beside a pair", r"key 'diffusion_model\.blocks\.0\.self_attn\.q\.diff' is a full weight diff for a "
+                           r"layer that also has a LoRA pair"),
 ])
 def test_a_key_that_cannot_be_applied_is_refused_by_name_and_nothing_changes(how, match, managers, data_dir,
                                                                              tmp_path):
@@ -356,7 +358,9 @@ def test_a_key_that_cannot_be_applied_is_refused_by_name_and_nothing_changes(how
     edits = {"unknown kind": lambda sd: sd.__setitem__("diffusion_model.blocks.0.self_attn.q.lokr_w1", torch.zeros(2)),
              "diff shape": lambda sd: sd.__setitem__("diffusion_model.blocks.1.diff_m", torch.zeros(1, 5, 24)),
              "diff on nothing": lambda sd: sd.__setitem__("diffusion_model.blocks.0.self_attn.norm_x.diff",
-                                                          torch.zeros(24))}
+                                                          torch.zeros(24)),
+             "diff beside a pair": lambda sd: sd.__setitem__("diffusion_model.blocks.0.self_attn.q.diff",
+                                                             torch.zeros(24, 24))}
     bad = _edited(src, tmp_path / src.name, edits[how])
     before = {k: v.clone() for k, v in m.pipeline.transformer.state_dict().items()}
     with pytest.raises(AdapterError, match=match):

@@ -290,6 +290,12 @@ class FusedBase:
                 raise AdapterError(f"distill file {a.path.name}: key {key!r} ({target.kind}) has shape "
                                    f"{tuple(tensor.shape)}, but {where} is {tuple(param.shape)}", param="lora_path")
             deltas.append((target, owner, tensor))
+        paired = {classify_wan_key(k).module for k in lora_part}
+        for target, _, _ in deltas:  # LightX2V applies only the pair there; diffusers calls it unexpected
+            if target.kind == "diff" and target.module in paired:
+                raise AdapterError(f"distill file {a.path.name}: key {target.key!r} is a full weight diff for a layer "
+                                   f"that also has a LoRA pair; ambiguous (LightX2V applies only the pair), so "
+                                   f"refused", param="lora_path")
         if not lora_part and not deltas:
             raise AdapterError(f"distill file {a.path.name} bound to no layer of {a.component}", param="lora_path")
         return lora_part, deltas, kinds, ignored
