@@ -191,7 +191,6 @@ def _scaling(config: dict | None, module: str, r_stored: int) -> float:
     return float(alpha) / float(r)
 
 
-
 # -- lightx2v / ComfyUI key kinds (Wan) --------------------------------------------------------
 # Published lightx2v Wan distill files carry, beside ``lora_down.weight`` / ``lora_up.weight`` /
 # ``alpha``, full-tensor deltas that diffusers' converter drops or only partly applies:
@@ -260,7 +259,7 @@ def classify_wan_key(key: str) -> KeyTarget:
             break
     else:
         return KeyTarget(key, "unknown", None, "")
-    image = any(original.endswith(p) or f".{p}" in original or original.startswith(p) for p in IMAGE_BRANCH)
+    image = any(p in original for p in IMAGE_BRANCH)
     if kind == "diff_m":  # blocks.N.diff_m -> blocks.N.scale_shift_table; head.diff_m -> scale_shift_table
         if original.startswith("blocks.") and original.count(".") == 1:
             return KeyTarget(key, kind, original, param)
