@@ -330,16 +330,26 @@ def test_server_refuses_unfit_minimax_adapters_with_4xx_json(server):
     save_file({"transformer.blocks.0.attn.qkv_proj.lora_A.default.weight": torch.randn(4, HIDDEN),
                "transformer.blocks.0.attn.qkv_proj.lora_B.default.weight": torch.randn(3 * HIDDEN, 4)},
               str(home / "adapters" / "mm_vllm_nometa.safetensors"))
-    cases = {"minimax_h3_fl2v_turbo_4step_v1.0_768p.safetensors": "transformer.transformer_blocks.0.attn.to_gate",
-             "mm_shape.safetensors": "transformer.transformer_blocks.1.attn.to_k.lora_B.weight: adapter (36, 4) "
+    save_file(lora(seed=9), str(home / "adapters" / "minimax_h3_fl2v_turbo_2step_v1.0_768p.safetensors"))
+    cases = {"mm_shape.safetensors": "transformer.transformer_blocks.1.attn.to_k.lora_B.weight: adapter (36, 4) "
                                      "vs model (32, 4)",
+             "minimax_h3_fl2v_turbo_4step_v1.0_768p.safetensors": "transformer.transformer_blocks.0.attn.to_gate",
              "mm_vllm_nometa.safetensors": "vLLM-Omni"}
     with httpx.Client(timeout=600) as client:
+        def post(name, **fields):
+            return client.post(url + "v1/videos/generations",
+                               json={"model": "demo:minimax-h3", "prompt": "a fox", "lora": {"path": name},
+                                     **fields})
+
         for name, expected in cases.items():
-            r = client.post(url + "v1/videos/generations",
-                            json={"model": "demo:minimax-h3", "prompt": "a fox", "num_inference_steps": 1,
-                                  "lora": {"path": name, "scale": 1.0}})
+            r = post(name, num_inference_steps=1)
             assert r.status_code == 400, (name, r.status_code, r.text)
             err = r.json()["error"]
             assert expected in err["message"] and name in err["message"], err
             assert err["type"] == "invalid_request_error" and err["param"] == "lora_path"
+        # A file that fits is served (its name, with the dot of "v1.0", named the peft adapter and failed: 500).
+        r = post("minimax_h3_fl2v_turbo_2step_v1.0_768p.safetensors")
+        assert r.status_code == 200, r.text
+        meta = r.json()["data"][0]["metadata"]
+        assert meta["params"]["num_inference_steps"] == 2 and meta["params"]["flow_shift"] == 6.0
+        assert [a["name"] for a in meta["adapters"]] == ["minimax_h3_fl2v_turbo_2step_v1.0_768p"]
