@@ -353,3 +353,15 @@ def test_server_refuses_unfit_minimax_adapters_with_4xx_json(server):
         meta = r.json()["data"][0]["metadata"]
         assert meta["params"]["num_inference_steps"] == 2 and meta["params"]["flow_shift"] == 6.0
         assert [a["name"] for a in meta["adapters"]] == ["minimax_h3_fl2v_turbo_2step_v1.0_768p"]
+
+
+def test_demo_revision_rebuilds_the_old_minimax_build_and_no_other_demo(tmp_path):
+    from backend import demo
+
+    minimax = demo.DEMO_MODELS["demo:minimax-h3"]
+    old = tmp_path / ".demo-build"  # what a build from before this demo's revision left behind
+    old.write_text(json.dumps({"id": minimax.id, "build_version": demo.BUILD_VERSION}))
+    assert not demo._is_current(old, minimax)
+    for model_id, model in demo.DEMO_MODELS.items():  # every other demo's marker is what it was: not rebuilt
+        if model_id != minimax.id:
+            assert demo._marker(model) == {"id": model_id, "build_version": demo.BUILD_VERSION}
