@@ -167,6 +167,38 @@ def test_adapter_names_with_dots_bind(rt, tmp_path):
     assert "style.v2" not in rt.adapters and np.array_equal(gen(rt).pixels, base)
 
 
+def test_published_turbo_key_layout_fits_every_layer(rt, tmp_path):
+    """LightX2V's published Turbo files (bf16, unprefixed diffusers names with peft's `.default.` infix, attention
+    and FFN of every block and of the token refiner, alpha in __metadata__) bind completely."""
+    dims = {"attn.to_q": (HIDDEN, HIDDEN), "attn.to_k": (HIDDEN, HIDDEN), "attn.to_v": (HIDDEN, HIDDEN),
+            "attn.to_out.0": (HIDDEN, HIDDEN), "ff.net.0.proj": (HIDDEN, 128), "ff.net.2": (64, HIDDEN)}
+    g = torch.Generator().manual_seed(11)
+    sd = {}
+    for prefix, blocks in (("transformer_blocks", 2), ("token_refiner.refiner_blocks", 1)):
+        for i in range(blocks):
+            for module, (fan_in, fan_out) in dims.items():
+                sd[f"{prefix}.{i}.{module}.lora_A.default.weight"] = torch.randn(8, fan_in, generator=g).bfloat16()
+                sd[f"{prefix}.{i}.{module}.lora_B.default.weight"] = torch.randn(fan_out, 8, generator=g).bfloat16()
+    path = tmp_path / "minimax_h3_fl2v_turbo_4step_v1.0_768p_bf16.safetensors"
+    save_file(sd, str(path), metadata={"alpha": "128"})
+    adapter = rt.load_adapter("published", path)
+    assert adapter.report.summary() == "fits (transformer: 18 layers; 36/36 keys)"
+    layer = adapter.report.bindings["transformer"].layers["transformer_blocks.0.ff.net.0.proj"]
+    assert layer.scaling == 128 / 8 and adapter.contract.alpha == 128.0
+
+
+def test_file_with_layers_for_both_partitions_is_refused(rt, tmp_path):
+    sd = lora(seed=12, blocks=(0,))
+    sd.update({k.replace("transformer.", "transformer_ref.", 1): v for k, v in lora(seed=13, blocks=(1,)).items()})
+    path = tmp_path / "mm_both.safetensors"
+    save_file(sd, str(path))
+    before = model_state(rt)
+    with pytest.raises(AdapterError, match="mm_both.safetensors holds layers for both transformer and "
+                                           "transformer_ref"):
+        rt.load_adapter("both", path)
+    assert_untouched(before, model_state(rt))
+
+
 # -- item 5: scale 0 is the base model, with no contract ------------------------------------------------
 
 
