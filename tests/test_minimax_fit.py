@@ -53,8 +53,9 @@ def lora(seed=0, amp=0.3, rank=4, blocks=(0, 1)) -> dict:
     sd = {}
     for i in blocks:
         for proj in PROJ:
-            sd[f"transformer.transformer_blocks.{i}.attn.{proj}.lora_A.weight"] = torch.randn(rank, HIDDEN, generator=g) * amp
-            sd[f"transformer.transformer_blocks.{i}.attn.{proj}.lora_B.weight"] = torch.randn(HIDDEN, rank, generator=g) * amp
+            key = f"transformer.transformer_blocks.{i}.attn.{proj}"
+            sd[f"{key}.lora_A.weight"] = torch.randn(rank, HIDDEN, generator=g) * amp
+            sd[f"{key}.lora_B.weight"] = torch.randn(HIDDEN, rank, generator=g) * amp
     return sd
 
 
@@ -126,7 +127,7 @@ def test_turbo_file_with_an_extra_unmatched_pair_is_refused_naming_it(rt, tmp_pa
     clean.parent.mkdir()
     save_file(good, str(clean))
     adapter = rt.load_adapter("turbo_clean", clean)
-    assert adapter.report.ok and adapter.report.summary() == f"fits (transformer: 8 layers; {len(good)}/{len(good)} keys)"
+    assert adapter.report.summary() == f"fits (transformer: 8 layers; {len(good)}/{len(good)} keys)"
 
 
 def test_wrong_shape_is_refused_naming_key_and_both_shapes(rt, tmp_path):

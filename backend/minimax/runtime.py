@@ -106,8 +106,8 @@ class MiniMaxRuntime:
         # Both partitions share one architecture config in every released repository; read the one on disk.
         heads, head_dim = self._heads("transformer")
         adapter = read_adapter(path, num_heads=heads, head_dim=head_dim)
-        return fit_partition(adapter, self.skeleton(adapter.partition), model=f"{self.path.name} ({adapter.partition})",
-                             name=name or Path(path).stem)
+        return fit_partition(adapter, self.skeleton(adapter.partition),
+                             model=f"{self.path.name} ({adapter.partition})", name=name or Path(path).stem)
 
     def _bind(self, adapter: MiniMaxAdapter, peft_name: str) -> None:
         self._ensure_partition(adapter.tasks[0])
