@@ -398,3 +398,24 @@ def test_demo_revision_rebuilds_the_old_minimax_build_and_no_other_demo(tmp_path
     for model_id, model in demo.DEMO_MODELS.items():  # every other demo's marker is what it was: not rebuilt
         if model_id != minimax.id:
             assert demo._marker(model) == {"id": model_id, "build_version": demo.BUILD_VERSION}
+
+
+def test_adapter_library_lists_minimax_files_with_the_runtimes_fit(data_dir, tmp_path):
+    """`app.py adapters --model demo:minimax-h3` (library_rows) reads MiniMax-H3 files as the runtime does."""
+    from backend.lora.library import library_rows
+
+    (tmp_path / "lib").mkdir()
+    paths = native_pair(tmp_path / "lib")
+    save_file({k.replace("transformer.", "transformer_ref.", 1): v for k, v in lora(seed=14).items()},
+              str(tmp_path / "lib" / "minimax_h3_ref2v_turbo_4step_v1.0.safetensors"))
+    extra = lora(seed=15)
+    extra["transformer.transformer_blocks.0.attn.to_gate.lora_A.weight"] = torch.randn(4, HIDDEN)
+    extra["transformer.transformer_blocks.0.attn.to_gate.lora_B.weight"] = torch.randn(HIDDEN, 4)
+    save_file(extra, str(tmp_path / "lib" / "mm_extra.safetensors"))
+    rows = {r["name"]: r for r in library_rows("demo:minimax-h3", [tmp_path / "lib"], data_dir)}
+    assert rows["vllm"]["fits"] and rows["vllm"]["fit"] == "fits (transformer: 8 layers; 16/16 keys)"
+    assert rows["native"]["fit"] == rows["vllm"]["fit"]
+    assert not rows["vllm_nometa"]["fits"] and "vLLM-Omni" in rows["vllm_nometa"]["fit"]
+    assert rows["minimax_h3_ref2v_turbo_4step_v1.0"]["fit"] == "fits (transformer_ref: 8 layers; 16/16 keys)"
+    assert not rows["mm_extra"]["fits"] and "transformer.transformer_blocks.0.attn.to_gate" in rows["mm_extra"]["fit"]
+    assert paths["vllm"].is_file()

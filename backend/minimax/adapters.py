@@ -190,3 +190,17 @@ def fit_partition(adapter: MiniMaxAdapter, skeleton: torch.nn.Module, *, model: 
                  generic=adapter.partition)
     report.raise_if_refused(model)
     return dataclasses.replace(adapter, report=report)
+
+
+def fit_report(path, denoisers: dict[str, torch.nn.Module], *, name: str | None = None) -> FitReport:
+    """The fit report of a MiniMax-H3 file against the partitions in `denoisers` (meta-device skeletons work),
+    read as the runtime reads it: what the adapter library lists (`backend.lora.adapter.fit_adapter`)."""
+    config = next(iter(denoisers.values())).config
+    adapter = read_adapter(path, num_heads=int(config.num_attention_heads), head_dim=int(config.attention_head_dim))
+    name = name or adapter.record.name
+    skeleton = denoisers.get(adapter.partition)
+    if skeleton is None:
+        raise AdapterError(f"{adapter.path.name} binds {adapter.partition}, which this model does not have",
+                           param="lora_path")
+    return fit(adapter.converted, {adapter.partition: skeleton}, adapter=name, file=str(adapter.record.file),
+               generic=adapter.partition)
