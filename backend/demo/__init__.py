@@ -35,6 +35,7 @@ class DemoModel:
     builder: str  # "module:function", imported lazily so listing demos costs nothing
     stands_in_for: str
     defaults: str  # "module:NAME" of the defaults dict
+    revision: int = 0  # bump when this one builder changes: only this model is rebuilt (BUILD_VERSION: all)
 
     def build(self):
         return _resolve(self.builder)()
@@ -54,7 +55,8 @@ DEMO_MODELS: dict[str, DemoModel] = {m.id: m for m in [
     DemoModel("demo:wan2.1-t2v", "wan:build_wan21_t2v", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan:DEFAULTS_T2V"),
     DemoModel("demo:wan2.2-t2v", "wan:build_wan22_t2v", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan:DEFAULTS_22"),
     DemoModel("demo:wan2.2-i2v", "wan:build_wan22_i2v", "Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan:DEFAULTS_22"),
-    DemoModel("demo:minimax-h3", "minimax:repository", "MiniMaxAI/MiniMax-H3", "minimax:DEFAULTS"),
+    # revision 1: denoisers and video VAE drawn signal-preserving (the denoiser drives the frames)
+    DemoModel("demo:minimax-h3", "minimax:repository", "MiniMaxAI/MiniMax-H3", "minimax:DEFAULTS", revision=1),
 ]}
 
 DEFAULT_MODEL = "demo:qwen-image"
@@ -103,7 +105,10 @@ def _is_current(marker: Path, demo: DemoModel) -> bool:
 
 
 def _marker(demo: DemoModel) -> dict:
-    return {"id": demo.id, "build_version": BUILD_VERSION}
+    marker = {"id": demo.id, "build_version": BUILD_VERSION}
+    if demo.revision:  # absent at 0, so the markers of models never revised stay as they were
+        marker["revision"] = demo.revision
+    return marker
 
 
 def _write(demo: DemoModel, out: Path) -> None:

@@ -11,11 +11,15 @@ Sizes are pinned by the pipeline's own contracts, not chosen freely:
   (each 16 wide);
 - the audio latent rate is fixed at 40/s, so the audio VAE keeps hop * 40 == sampling_rate (8 kHz, hop 200);
 - durations are fixed at 5-15 s at 24 fps, so the shortest clip is 124 frames (on a 32x64 canvas).
+
+The denoisers and the video VAE are drawn so that a signal keeps its size through them (`_signal_preserving`):
+the denoiser drives the frames, so a LoRA's effect shows in them as it does on the other demos.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -172,6 +176,30 @@ def _seeded(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module.eval()
 
 
+def _signal_preserving(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Seeded weights under which a signal keeps its size through the network (the denoisers, the video VAE).
+
+    Norm layers start as identities (weight 1, bias 0), every matrix or kernel is drawn with std 1/sqrt(fan_in),
+    everything else (biases, layer scales) with std 0.1. With `_seeded`'s blanket 0.1 every norm scaled its input
+    by ~0.1: the denoiser's velocity was near zero, so the frames were the noise seen through the VAE, and the
+    VAE's own norms damped what was left; a LoRA moved the frames by at most one level. Drawn this way the
+    denoiser's output decides the frames (see docs/minimax.md, "The demo model")."""
+    gen = torch.Generator().manual_seed(seed)
+    norms = {name for name, m in module.named_modules() if "Norm" in type(m).__name__}
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            if not p.is_floating_point():
+                continue
+            owner, _, leaf = name.rpartition(".")
+            if owner in norms:
+                p.fill_(1.0 if leaf == "weight" else 0.0)
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p[0].numel()))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return module.eval()
+
+
 #: The repository every component spec points at; a local copy loads from its own files instead.
 UPSTREAM_REPO = "MiniMaxAI/MiniMax-H3"
 
@@ -235,9 +263,9 @@ def write(out_dir, *, base_schedule=None) -> Path:
     tok.save_pretrained(out / "tokenizer")
     _save_processor(tok, out / "processor")
     _seeded(_text_encoder(tok), 0).save_pretrained(out / "text_encoder")
-    _seeded(MiniMaxH3Transformer3DModel(**TRANSFORMER_CONFIG), 1).save_pretrained(out / "transformer")
-    _seeded(MiniMaxH3Transformer3DModel(**TRANSFORMER_CONFIG), 2).save_pretrained(out / "transformer_ref")
-    _seeded(AutoencoderKLMiniMaxH3(**VAE_CONFIG), 3).save_pretrained(out / "vae")
+    _signal_preserving(MiniMaxH3Transformer3DModel(**TRANSFORMER_CONFIG), 1).save_pretrained(out / "transformer")
+    _signal_preserving(MiniMaxH3Transformer3DModel(**TRANSFORMER_CONFIG), 2).save_pretrained(out / "transformer_ref")
+    _signal_preserving(AutoencoderKLMiniMaxH3(**VAE_CONFIG), 3).save_pretrained(out / "vae")
     _seeded(AutoencoderKLMiniMaxH3Audio(**AUDIO_VAE_CONFIG), 4).save_pretrained(out / "audio_vae")
     MiniMaxH3Scheduler(shift=12.0).save_pretrained(out / "scheduler")
     MiniMaxH3Scheduler(shift=3.0).save_pretrained(out / "audio_scheduler")

@@ -43,6 +43,10 @@ class LoadedAdapter:
 
 def fit_adapter(path, pipeline_cls, denoisers: dict[str, torch.nn.Module], name: str | None = None) -> FitReport:
     """The fit report of an adapter against the given denoisers (meta-device skeletons work)."""
+    if getattr(pipeline_cls, "__name__", "") == "MiniMaxH3ModularPipeline":  # contracts, layouts, partitions
+        from ..minimax.adapters import fit_report
+
+        return fit_report(path, denoisers, name=name)
     with single_threaded():  # hundreds of small-tensor ops: parallel regions only add barriers
         raw = read_tensors(path, name)
         converted = convert(raw, pipeline_cls, default_component=next(iter(denoisers), "transformer"))

@@ -162,11 +162,12 @@ def native_contract(file_name: str, metadata: dict) -> SamplingContract:
                            param="base_schedule")
     sigmas = parse_schedule(metadata["base_schedule"], artifact=name)
     alpha = None
-    if "alpha" in metadata:
+    key = "alpha" if "alpha" in metadata else "lora_alpha"  # lora_alpha: vLLM-Omni's native files
+    if key in metadata:
         try:
-            alpha = float(metadata["alpha"])
+            alpha = float(metadata[key])
         except (TypeError, ValueError):
-            raise AdapterError(f"{name}: __metadata__ alpha must be a number, got {metadata['alpha']!r}",
+            raise AdapterError(f"{name}: __metadata__ {key} must be a number, got {metadata[key]!r}",
                                param="alpha") from None
     return SamplingContract(artifact=name, kind="native", steps=len(sigmas) - 1, sigmas=sigmas, alpha=alpha)
 

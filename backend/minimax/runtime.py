@@ -4,10 +4,13 @@ The PipelineManager owns one of these when the model is MiniMax-H3 (a modular pi
 `__call__(callback_on_step_end=...)` nor one denoiser per task), and hands `generate` to it.
 
 Adapters:
-- peft: `load_adapter(name, path)` reads the file once (contract, native reorder, alpha fold) and binds it
-  to its partition under `name`; a request activates a list of (name, scale) with `set_adapters` on that
-  partition and every other adapter off; no adapter = base model (LoRA layers disabled).
-- distill: `fuse(paths)` once at start: each file fused into its partition, then the LoRA layers dropped.
+- peft: `load_adapter(name, path)` reads the file once (contract, native reorder, alpha), fits it against a
+  meta-device skeleton of its partition with the shared fit check (`backend.lora.fit`: unmatched keys, wrong
+  shapes and nothing bound are refused, naming the keys, before the model is touched), then binds it to its
+  partition under an internal peft name; a request activates a list of (name, scale) with `set_adapters` on that
+  partition and every other adapter off; no adapter, or only adapters at scale 0, = base model (LoRA layers
+  disabled, no contract).
+- distill: `fuse(paths)` once at start: each file fitted, fused into its partition, then the LoRA layers dropped.
 
 Offload (`offload.py`): checked at construction, applied by `ready()` after start-time fusing (`start()` ends with
 it; the server's worker, which never calls `start()`, reaches it on its first generation).
@@ -23,7 +26,7 @@ import torch
 
 from ..errors import AdapterError, ContractViolation, InvalidParameter
 from . import contracts, offload as offload_policy, pipeline as mp
-from .adapters import MiniMaxAdapter, read_adapter
+from .adapters import MiniMaxAdapter, fit_partition, read_adapter
 
 
 @dataclass
@@ -46,6 +49,8 @@ class MiniMaxRuntime:
         # With offload the weights stay in CPU memory until `ready()` applies it (after any distill fusing).
         self.pipe = mp.load(self.path, device=None if plan.active else self.device, dtype=dtype, task_type=task_type)
         self.adapters: dict[str, MiniMaxAdapter] = {}
+        self._peft_names: dict[str, str] = {}  # request name -> peft adapter name (peft refuses dots in names)
+        self._skeletons: dict[str, torch.nn.Module] = {}  # partition -> meta-device copy, for fit reports
         self.fused: list[MiniMaxAdapter] = []
         self._lock = threading.RLock()
 
@@ -85,19 +90,29 @@ class MiniMaxRuntime:
 
         return json.loads((self.path / partition / "config.json").read_text())
 
-    def read(self, path) -> MiniMaxAdapter:
+    def skeleton(self, partition: str) -> torch.nn.Module:
+        """The partition's architecture on the meta device (from its config): what fit reports are made
+        against, never the loaded module (whose bound peft layers are no longer plain Linear layers)."""
+        if partition not in self._skeletons:
+            from diffusers import MiniMaxH3Transformer3DModel
+
+            with torch.device("meta"):
+                self._skeletons[partition] = MiniMaxH3Transformer3DModel.from_config(
+                    self._partition_config(partition))
+        return self._skeletons[partition]
+
+    def read(self, path, name: str | None = None) -> MiniMaxAdapter:
+        """Read and fit one file; refused (AdapterError naming the keys) before anything touches the model."""
         # Both partitions share one architecture config in every released repository; read the one on disk.
         heads, head_dim = self._heads("transformer")
-        return read_adapter(path, num_heads=heads, head_dim=head_dim)
+        adapter = read_adapter(path, num_heads=heads, head_dim=head_dim)
+        return fit_partition(adapter, self.skeleton(adapter.partition),
+                             model=f"{self.path.name} ({adapter.partition})", name=name or Path(path).stem)
 
-    def _bind(self, adapter: MiniMaxAdapter, name: str) -> None:
+    def _bind(self, adapter: MiniMaxAdapter, peft_name: str) -> None:
         self._ensure_partition(adapter.tasks[0])
-        self.pipe.load_lora_weights(dict(adapter.state_dict), adapter_name=name,
+        self.pipe.load_lora_weights(adapter.state_dict, adapter_name=peft_name,
                                     load_into_transformer_ref=adapter.partition == "transformer_ref")
-        module = getattr(self.pipe, adapter.partition)
-        bound = {n for n, _ in module.named_modules() if n.endswith(f".{name}") or n == name}
-        if not bound:
-            raise AdapterError(f"{adapter.path.name} bound to no layer of {adapter.partition}", param="lora_path")
 
     def load_adapter(self, name: str, path) -> MiniMaxAdapter:
         if self.lora_backend != "peft":
@@ -108,9 +123,12 @@ class MiniMaxRuntime:
                 return cached
             if cached is not None:
                 self.unload_adapter(name)
-            adapter = self.read(path)
-            self._bind(adapter, name)
-            self.adapters[name] = adapter
+            adapter = self.read(path, name)
+            peft_name = f"adapter_{len(self._peft_names)}"
+            while peft_name in self._peft_names.values():
+                peft_name += "_"
+            self._bind(adapter, peft_name)
+            self.adapters[name], self._peft_names[name] = adapter, peft_name
             self._disable_all()
             return adapter
 
@@ -118,7 +136,7 @@ class MiniMaxRuntime:
         with self._lock:
             adapter = self.adapters.pop(name, None)
             if adapter is not None:
-                getattr(self.pipe, adapter.partition).delete_adapters([name])
+                getattr(self.pipe, adapter.partition).delete_adapters([self._peft_names.pop(name)])
 
     def fuse(self, paths) -> list[MiniMaxAdapter]:
         """Distill: fuse each file into its partition once (scale 1), then drop the LoRA layers."""
@@ -127,8 +145,8 @@ class MiniMaxRuntime:
             raise AdapterError(f"distill files are fused at start, before {self.offload.flags()} is applied; "
                                "fusing later is not supported", param="lora_path")
         for i, path in enumerate(paths):
-            adapter = self.read(path)
             name = f"distill_{i}"
+            adapter = self.read(path, name)
             self._bind(adapter, name)
             module = getattr(self.pipe, adapter.partition)
             module.set_adapters([name], [1.0])
@@ -145,7 +163,8 @@ class MiniMaxRuntime:
 
     def _activate(self, active: list[tuple[MiniMaxAdapter, str, float]], partition: str) -> None:
         self._disable_all()
-        chosen = [(name, scale) for adapter, name, scale in active if adapter.partition == partition]
+        chosen = [(self._peft_names[name], scale) for adapter, name, scale in active
+                  if adapter.partition == partition]
         if chosen:
             module = getattr(self.pipe, partition)
             module.enable_lora()
@@ -158,15 +177,21 @@ class MiniMaxRuntime:
         return contracts.plan(params, contract, default_steps=default_steps)
 
     def generate(self, params: dict, *, adapters=(), on_step=None, cancel=None, default_steps=None) -> Generated:
-        """`adapters`: (name, path, scale) triples; `params`: validated generation fields."""
+        """`adapters`: (name, path, scale) triples; `params`: validated generation fields.
+
+        Every adapter is read and fitted (a file that does not fit is refused whatever its scale); one at scale 0
+        is then left out: it neither changes a weight nor imposes its sampling contract (the base model, bit for
+        bit, as with the merging engine of the other pipelines)."""
         with self._lock:
             self.ready()  # a runtime built without start() (the server's worker) offloads here
             active = []
             for name, path, scale in adapters:
-                if not isinstance(scale, (int, float)):
+                if not isinstance(scale, (int, float)) or isinstance(scale, bool):
                     raise InvalidParameter("MiniMax-H3 adapters take one scale (they bind to one partition)",
                                            param="lora_scale")
-                active.append((self.load_adapter(name, path), name, float(scale)))
+                adapter = self.load_adapter(name, path)
+                if float(scale) != 0.0:
+                    active.append((adapter, name, float(scale)))
             plan = self.plan(params, [a for a, _, _ in active], default_steps=default_steps)
             partition = contracts.PARTITION[plan.task_type]
             for adapter, name, _ in active:
@@ -195,6 +220,7 @@ class MiniMaxRuntime:
                 "contract": plan.contract.describe() if plan.contract else None,
                 "height": out.height, "width": out.width, "num_frames": out.num_frames,
                 "sample_rate": out.audio[1], "fused": [a.path.name for a in self.fused],
+                "active": [name for _, name, _ in active],
             }
             return Generated(frames=out.frames, fps=out.fps, audio=out.audio, metadata=meta)
 
@@ -218,8 +244,9 @@ def generate_for_manager(manager, request: dict, *, adapters=None, defaults=None
     triples = [(req.lora_name, req.lora_path, scale) for req, scale in (adapters or [])]
     out = manager.minimax.generate(params, adapters=triples, on_step=on_step, cancel=cancel,
                                    default_steps=merged_defaults.get("num_inference_steps"))
+    active = out.metadata.pop("active")
     applied = [{"name": name, "path": str(path), "scale": scale,
-                "sha256": _sha256(path)} for name, path, scale in triples]
+                "sha256": _sha256(path)} for name, path, scale in triples if name in active]
     shown = {k: v for k, v in params.items() if k not in ("image", "last_image", "references") and v is not None}
     shown.update(out.metadata)
     metadata = manager._metadata(shown, applied, time.time() - started)
