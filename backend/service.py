@@ -194,7 +194,7 @@ class Studio:
         pinned = set(cache.get("pinned") or [])
         for row in rows:
             row["fit"] = {"ok": bool(row.get("fits")), "summary": row.get("fit", "")}
-            row["registered_as"] = by_path.get(str(Path(row["path"]).resolve()))
+            row["registered_as"] = by_path.get(os.path.realpath(row["path"]))
             row["pinned"] = row["name"] in pinned
         return rows
 
@@ -262,7 +262,7 @@ class Studio:
 
     def delete_adapter(self, name: str) -> dict:
         row = self.adapter_detail(name)
-        path = Path(row["path"]).resolve()
+        path = Path(os.path.realpath(row["path"]))
         if not path.is_relative_to(self.resolver.roots[0]):
             raise PathNotAllowed(f"{path} is not in {self.resolver.roots[0]}; only adapters imported into the "
                                  "library can be deleted here", param="name")
