@@ -244,9 +244,9 @@ def test_import_with_a_hostile_name_writes_nothing_outside_the_library(served, d
     for name in (str(target_abs), f"../planted-rel-{tag}", "..", "a/b", ".hidden", "x\\y"):
         out = _call(served.url, fn, trigger, [_upload(served.url, files), name])
         status = out[2] if isinstance(out[2], str) else json.dumps(out[2])
-        assert "not a plain file name" in status, (name, status)
-        assert not target_abs.exists() and not tmp_rel.exists(), name
+        assert not target_abs.exists() and not tmp_rel.exists(), (name, "was created outside the library")
         assert _snapshot(library) == before, name  # not even a staging folder left behind
+        assert "not a plain file name" in status, (name, status)
     # the same files under a plain name import into the library, staged inside it
     out = _call(served.url, fn, trigger, [_upload(served.url, files), f"neon-{tag}"])
     status = out[2] if isinstance(out[2], str) else json.dumps(out[2])
