@@ -4,8 +4,9 @@
     manager.generate(params, adapters=[(LoRARequest("style", 1, path), 1.0)])
 
 Modules: ``formats`` (reading headers/tensors), ``patterns`` (config checks, bounded regexes),
-``convert`` (diffusers' converters, peft scales), ``fit`` (fit reports), ``adapter`` (read + convert + fit), ``cache`` (two-tier LRU),
-``engine`` (exact-merge activation), ``library`` (listing with fit), ``demo_adapters``.
+``convert`` (diffusers' converters, peft scales), ``fit`` (fit reports), ``adapter`` (read +
+convert + fit), ``cache`` (two-tier LRU), ``engine`` (exact-merge activation), ``library``
+(listing with fit), ``demo_adapters``.
 """
 from __future__ import annotations
 
