@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from .jobs.worker import WorkerConfig
 from .minimax import offload as offload_policy
 
 DEFAULT_MODEL = "demo:qwen-image"
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 LORA_BACKENDS = ("peft", "distill")
 ENGINES = ("local", "ray")
 
@@ -192,7 +194,7 @@ class Studio:
         pinned = set(cache.get("pinned") or [])
         for row in rows:
             row["fit"] = {"ok": bool(row.get("fits")), "summary": row.get("fit", "")}
-            row["registered_as"] = by_path.get(str(Path(row["path"]).resolve()))
+            row["registered_as"] = by_path.get(os.path.realpath(row["path"]))
             row["pinned"] = row["name"] in pinned
         return rows
 
@@ -202,30 +204,65 @@ class Studio:
                 return row
         raise AdapterNotFound(f"no adapter named {name!r} in the library", param="name")
 
-    def import_adapter(self, src_path: str, name: str | None = None) -> dict:
-        """Copy a file or PEFT folder into <data-dir>/adapters (the library root we own)."""
-        src = Path(src_path).expanduser()
-        if not src.exists():
-            raise AdapterNotFound(f"{src} does not exist", param="path")
-        name = name or (src.name if src.is_dir() else src.stem)
-        if "/" in name or name.startswith("."):
-            raise InvalidParameter(f"adapter name {name!r} may not contain '/' or start with '.'", param="name")
-        root = self.resolver.roots[0]
-        dest = root / name if src.is_dir() else root / f"{name}{src.suffix}"
-        if dest.exists():
-            raise InvalidParameter(f"an adapter named {name!r} already exists at {dest}", param="name")
-        try:
-            from .lora.formats import inspect
+    def import_adapter(self, src, name: str | None = None) -> dict:
+        """Copy an adapter into <data-dir>/adapters (the library root we own).
 
-            inspect(src, name)
-        except ImportError:
-            pass
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dest)
+        ``src`` is one file (a .safetensors) or a list of files: one file imports as itself, a PEFT
+        folder's ``adapter_config.json`` + ``adapter_model.safetensors`` as a folder named ``name``.
+        The name is checked first (``check_adapter_name``: a plain file name), then the files are
+        staged in ``<root>/.staging/``, checked like any library file, and moved into place; the
+        staging folder is removed whatever happens. Nothing is written anywhere else."""
+        from .jobs.adapters import check_adapter_name
+
+        srcs = [Path(src)] if isinstance(src, (str, os.PathLike)) else [Path(p) for p in src]
+        if not srcs:
+            raise InvalidParameter("choose a file to import", param="path")
+        if name is None or not str(name).strip():
+            name = (srcs[0].name if srcs[0].is_dir() else srcs[0].stem) if len(srcs) == 1 else srcs[0].parent.name
+        name = check_adapter_name(name, "name")
+        for p in srcs:
+            if not p.is_file() and not (len(srcs) == 1 and p.is_dir()):
+                raise AdapterNotFound(f"{p.name}: no such file to import", param="path")
+        if len(srcs) == 1 and srcs[0].is_dir():  # a PEFT folder given as one path (not from the UI)
+            srcs = sorted(srcs[0].iterdir())
+            folder = True
+        else:
+            folder = len(srcs) > 1
+        allowed = {PEFT_FILES[0], PEFT_FILES[1]}
+        if folder and sorted(p.name for p in srcs) != sorted(allowed):
+            raise InvalidParameter(f"a PEFT folder imports as exactly {' + '.join(PEFT_FILES)}; got "
+                                   f"{', '.join(sorted(p.name for p in srcs))[:200]}", param="path")
+        root = self.resolver.roots[0]
+        target = root / name if folder else root / f"{name}{srcs[0].suffix.lower()}"
+        if os.path.lexists(target):
+            raise InvalidParameter(f"an adapter named {name!r} already exists in the library", param="name")
+        root.mkdir(parents=True, exist_ok=True)
+        (root / ".staging").mkdir(exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix="import-", dir=root / ".staging"))
+        try:
+            staged = stage / target.name
+            if folder:
+                staged.mkdir()
+                for p in srcs:
+                    shutil.copyfile(p, staged / p.name)
+            else:
+                shutil.copyfile(srcs[0], staged)
+            try:
+                from .lora.formats import inspect
+            except ImportError:
+                inspect = None
+            if inspect is not None:
+                inspect(staged, name)
+            if os.path.lexists(target):
+                raise InvalidParameter(f"an adapter named {name!r} already exists in the library", param="name")
+            os.rename(staged, target)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
         return self.adapter_detail(name)
 
     def delete_adapter(self, name: str) -> dict:
         row = self.adapter_detail(name)
-        path = Path(row["path"]).resolve()
+        path = Path(os.path.realpath(row["path"]))
         if not path.is_relative_to(self.resolver.roots[0]):
             raise PathNotAllowed(f"{path} is not in {self.resolver.roots[0]}; only adapters imported into the "
                                  "library can be deleted here", param="name")

@@ -82,16 +82,27 @@ def test_load_and_unload_by_name(server):
 
 
 def test_broken_adapter_fails_its_job_and_the_next_one_succeeds_on_the_same_weights(server, data_dir):
+    from safetensors.torch import load_file, save_file
+
     studio, url = server
     base = _image(url)
     broken = data_dir / "adapters" / "broken.safetensors"
     good = (data_dir / "adapters" / INK).read_bytes()
-    broken.write_bytes(good[: len(good) // 2])  # a download cut in half
     try:
+        broken.write_bytes(good[: len(good) // 2])  # a download cut in half: refused at submission
         r = httpx.post(f"{url}/v1/images/generations", json={**FAST, "lora": {"path": "broken.safetensors"}},
                        timeout=120)
         assert r.status_code == 400, r.text
-        assert "broken.safetensors" in r.json()["error"]["message"]
+        assert "broken.safetensors" in r.json()["error"]["message"] and "truncated" in r.json()["error"]["message"]
+        # a NaN inside a factor is only seen when the worker reads the weights: that job fails
+        tensors = load_file(str(data_dir / "adapters" / INK))
+        key = next(k for k in tensors if k.endswith("lora_up.weight"))
+        tensors[key][0, 0] = float("nan")
+        save_file(tensors, str(broken))
+        r = httpx.post(f"{url}/v1/images/generations", json={**FAST, "lora": {"path": "broken.safetensors"}},
+                       timeout=120)
+        assert r.status_code == 400, r.text
+        assert "broken.safetensors" in r.json()["error"]["message"] and key in r.json()["error"]["message"]
         assert np.array_equal(_image(url), base)  # the next job runs, on unchanged weights
         failed = [j for j in studio.jobs(status="failed") if j["adapters"] and "broken" in j["adapters"][0]["path"]]
         assert failed and failed[0]["error"]

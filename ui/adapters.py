@@ -1,8 +1,6 @@
 """The Adapters tab: the library as a table, a detail view, import by upload, delete, pin."""
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import gradio as gr
@@ -11,18 +9,6 @@ from . import views
 from .views import error_html, ok_html, readable
 
 UPLOAD_TYPES = [".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt"]  # pickles are refused by the backend
-
-
-def staged_upload(paths: list[str], name: str) -> Path:
-    """One file imports as itself; several (a PEFT folder's files) as a folder named ``name``."""
-    if len(paths) == 1:
-        return Path(paths[0])
-    folder = Path(tempfile.mkdtemp(prefix="ls-upload-")) / name
-    folder.mkdir()
-    for p in paths:
-        # Gradio keeps the original file name as the cached file's basename
-        shutil.copy2(p, folder / Path(p).name)
-    return folder
 
 
 def default_name(paths: list[str]) -> str:
@@ -110,7 +96,8 @@ def build(studio):
         paths = [paths] if isinstance(paths, str) else list(paths)
         label = (given or "").strip() or default_name(paths)
         try:
-            record = studio.import_adapter(str(staged_upload(paths, label)), label)
+            # the backend checks the name before any byte is written and stages inside the library
+            record = studio.import_adapter(paths, label)
         except Exception as exc:
             files = ", ".join(Path(p).name for p in paths)
             return [*listing(error_html(f"could not import {files} as {label!r}: {readable(exc)}")), None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,13 +52,13 @@ class AdapterResolver:
         for cand in candidates:
             if not os.path.lexists(cand):
                 continue
-            real = cand.resolve()  # follows every symlink on the way, the last one included
+            real = Path(os.path.realpath(cand))  # every symlink on the way, the last one included (loops end)
             if not self._inside(real):
                 break  # it exists, but out there: refused below, whatever it is
             if real.exists():
                 return real
         else:
-            if any(self._inside(c.resolve()) for c in candidates):
+            if any(self._inside(Path(os.path.realpath(c))) for c in candidates):
                 raise AdapterNotFound(f"adapter path {raw!r} does not exist under the adapter roots", param=param)
         raise PathNotAllowed(f"adapter path {raw!r} resolves outside the adapter roots "
                              f"({', '.join(map(str, self.roots))})", param=param)
@@ -115,9 +116,10 @@ class AdapterResolver:
         if entry is None:
             raise AdapterNotFound(f"no adapter named {name!r} in the library or loaded with "
                                   "/v1/load_lora_adapter", param="lora.name")
+        real = self.check_path(str(entry.path), "lora.name")  # the root rule, by name as by path
         if entry.error:
             raise InvalidParameter(f"adapter {name!r} cannot be used: {entry.error}", param="lora.name")
-        return Path(entry.path).resolve()
+        return real
 
     # -- a request's adapters ---------------------------------------------------------------------
     def resolve(self, specs: list[dict] | None) -> list[ResolvedAdapter]:
@@ -133,6 +135,7 @@ class AdapterResolver:
             real = self.check_path(path, f"{where}.path") if path else self.by_name(name)
             if not name:
                 name = real.name if real.is_dir() else real.stem
+            _check_file(real, f"{where}.path" if path else f"{where}.name")
             scale = _scale(spec.get("scale", 1.0), f"{where}.scale")
             int_id = spec.get("int_id")
             if int_id is None:
@@ -144,6 +147,25 @@ class AdapterResolver:
         return out
 
 
+# An adapter's name becomes a file or folder name in the library root: one plain name, no path.
+MAX_NAME_LEN = 128
+_NAME = re.compile(r"[\w][\w.+@ -]*")
+
+
+def check_adapter_name(name, param: str = "name") -> str:
+    """The one rule for a name a client gives an adapter that is written to disk (UI import,
+    service): word characters, digits and ``. _ - + @`` and spaces, not starting with a dot or
+    a space, no path separators, at most MAX_NAME_LEN characters. Checked before any byte is written."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidParameter("the adapter name must be a non-empty string", param=param)
+    shown = repr(name[:60]) + ("..." if len(name) > 60 else "")
+    if len(name) > MAX_NAME_LEN or not _NAME.fullmatch(name) or name.endswith((" ", ".")) or ".." in name:
+        raise InvalidParameter(f"adapter name {shown} is not a plain file name: use letters, digits and "
+                               f"'._-+@ ' (no '/', '\\', '..', no leading dot), at most {MAX_NAME_LEN} characters",
+                               param=param)
+    return name
+
+
 def _scale(value, param: str):
     if isinstance(value, dict):
         return {str(k): _scale(v, f"{param}.{k}") for k, v in value.items()}
@@ -151,6 +173,16 @@ def _scale(value, param: str):
         raise InvalidParameter(f"{param} must be a finite number (or one per component), got {value!r}",
                                param=param)
     return float(value)
+
+
+def _check_file(path: Path, param: str) -> None:
+    """The adapter's header, configs and alphas, checked now (a 400 naming the file and key) rather
+    than by the worker mid-job; cheap: no weight is read and nothing is hashed."""
+    try:
+        from ..lora.formats import check
+    except ImportError:
+        return
+    check(path, param)
 
 
 def _inspect(path: Path, name: str) -> None:

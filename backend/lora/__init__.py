@@ -3,9 +3,10 @@
     engine = attach(manager, max_loras=4, max_cpu_loras=16, preload=["/path/lora.safetensors"])
     manager.generate(params, adapters=[(LoRARequest("style", 1, path), 1.0)])
 
-Modules: ``formats`` (reading headers/tensors), ``convert`` (diffusers' converters, peft
-scales), ``fit`` (fit reports), ``adapter`` (read + convert + fit), ``cache`` (two-tier LRU),
-``engine`` (exact-merge activation), ``library`` (listing with fit), ``demo_adapters``.
+Modules: ``formats`` (reading headers/tensors), ``patterns`` (config checks, bounded regexes),
+``convert`` (diffusers' converters, peft scales), ``fit`` (fit reports), ``adapter`` (read +
+convert + fit), ``cache`` (two-tier LRU), ``engine`` (exact-merge activation), ``library``
+(listing with fit), ``demo_adapters``.
 """
 from __future__ import annotations
 

@@ -29,7 +29,14 @@ PEFT_WEIGHTS = ("adapter_model.safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Formats, by where the file came from (what users recognise), not by how we bind it.
 FORMATS = ("peft", "peft-dump", "diffusers", "kohya", "lightx2v")
-_MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own limit
+# Bounds on what one file may ask of a reader (a listing reads every file's header):
+MAX_HEADER = 8 * 1024 * 1024  # header bytes (the spec allows 100 MB; real LoRA headers are < 1 MB)
+MAX_KEY_LEN = 256  # characters in one tensor key (real keys are < 150)
+# Factors must be floating point. fp8 is refused, not upcast: an fp8 LoRA is stored with
+# per-tensor scales this reader does not apply, so upcasting the raw values would be wrong.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# an ``.alpha`` is one number; kohya/ComfyUI store it as a float, some tools as an integer
+ALPHA_DTYPES = FLOAT_DTYPES + ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64")
 
 
 @dataclass(frozen=True)
@@ -154,28 +161,40 @@ def read_header(file: Path) -> tuple[dict, dict]:
 
 
 def _header_length(head, size: int, file: Path) -> int:
-    try:
-        if len(head) < 8:
-            raise ValueError("file is shorter than a safetensors header")
-        (n,) = struct.unpack_from("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise ValueError(f"header length {n} does not fit a {size}-byte file")
-    except ValueError as exc:
-        raise AdapterError(f"{file}: not a valid safetensors file ({exc})", param="lora_path") from None
+    # the messages never quote the file's bytes (the length field is 8 of them)
+    if len(head) < 8:
+        raise AdapterError(f"{file}: not a valid safetensors file (shorter than a safetensors header)",
+                           param="lora_path")
+    (n,) = struct.unpack_from("<Q", head)
+    if 8 + n > size:
+        raise AdapterError(f"{file}: not a valid safetensors file (its header length does not fit the file)",
+                           param="lora_path")
+    if n > MAX_HEADER:
+        raise AdapterError(f"{file}: header larger than {MAX_HEADER // (1024 * 1024)} MiB refused (an adapter's "
+                           "header is well under 1 MiB)", param="lora_path")
     return n
 
 
 def _parse_header(data, size: int, file: Path) -> tuple[dict, dict, int]:
-    """(entries, __metadata__, where the data section starts) from the file's first bytes (``data``)."""
+    """(entries, __metadata__, where the data section starts) from the file's first bytes (``data``),
+    every entry checked: key length, dtype (floating point factors, scalar alphas), shape vs offsets."""
     n = _header_length(data, size, file)
     try:
         header = json.loads(bytes(data[8: 8 + n]))
-        if not isinstance(header, dict):
-            raise ValueError("header is not an object")
-        metadata = header.pop("__metadata__", None) or {}
-        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-    except (ValueError, UnicodeDecodeError, KeyError, IndexError, TypeError) as exc:
-        raise AdapterError(f"{file}: not a valid safetensors file ({exc})", param="lora_path") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise AdapterError(f"{file}: not a valid safetensors file (its header is not JSON)",
+                           param="lora_path") from None
+    if not isinstance(header, dict):
+        raise AdapterError(f"{file}: not a valid safetensors file (its header is not a JSON object)",
+                           param="lora_path")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise AdapterError(f"{file}: not a valid safetensors file (__metadata__ must be an object of strings)",
+                           param="lora_path")
+    _check_entries(header, file)
+    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
     if 8 + n + end > size:
         raise AdapterError(f"{file}: truncated ({size} bytes, the header describes {8 + n + end})",
                            param="lora_path")
@@ -209,26 +228,58 @@ def module_of(key: str) -> str:
 
 
 def inspect(path: str | os.PathLike, name: str | None = None) -> AdapterRecord:
-    """The typed record of an adapter, from its headers only."""
+    """The typed record of an adapter, from its headers only (and its few-byte ``.alpha`` values)."""
     p = Path(path).expanduser()
     file = weights_file(p)
     header, metadata = read_header(file)
     return _record(p, file, header, metadata, name, sha256=lambda: file_sha256(file),
-                   scalar=lambda key: _read_scalar(file, key))
+                   scalars=lambda keys: _read_scalars(file, keys))
 
 
-def _record(p: Path, file: Path, header: dict, metadata: dict, name: str | None, *, sha256, scalar) -> AdapterRecord:
-    """The record from a parsed header; ``sha256()`` gives the digest, ``scalar(key)`` one stored value."""
+def check(path: str | os.PathLike, param: str = "lora_path") -> None:
+    """Refuse a file ``inspect`` would refuse, without hashing it (a request's check at submission);
+    the error's ``param`` is the request field that named the file."""
+    p = Path(path).expanduser()
+    try:
+        file = weights_file(p)
+        header, metadata = read_header(file)
+        _record(p, file, header, metadata, None, sha256=lambda: "", scalars=lambda keys: _read_scalars(file, keys))
+    except AdapterError as exc:
+        exc.param = param
+        raise
+
+
+def _record(p: Path, file: Path, header: dict, metadata: dict, name: str | None, *, sha256,
+            scalars) -> AdapterRecord:
+    """The record from a parsed header; ``sha256()`` gives the digest, ``scalars(keys)`` stored values.
+
+    Configs and alphas are checked here, so every reader (listing, request, worker) refuses
+    the same files: configs through ``patterns.check_config``, every ``.alpha`` finite."""
+    from .patterns import check_config
+
     peft_config = None
     if p.is_dir():
+        where = p / PEFT_CONFIG
         try:
-            peft_config = json.loads((p / PEFT_CONFIG).read_text())
-        except (OSError, ValueError) as exc:
-            raise AdapterError(f"{p / PEFT_CONFIG}: unreadable ({exc})", param="lora_path") from None
+            peft_config = json.loads(where.read_bytes())
+        except OSError as exc:
+            raise AdapterError(f"{where}: unreadable ({exc.strerror or type(exc).__name__})",
+                               param="lora_path") from None
+        except (ValueError, RecursionError):
+            raise AdapterError(f"{where}: not valid JSON", param="lora_path") from None
+        check_config(peft_config, str(where))
+    for comp, config in _metadata_configs(metadata, file).items():
+        check_config(config, f"{file}: __metadata__ lora_adapter_metadata [{comp}]")
     fmt = detect_format(header, peft_config is not None)
     ranks = sorted({int(v["shape"][0]) for k, v in header.items()
                     if k.endswith((".lora_down.weight", ".lora_A.weight")) and v.get("shape")})
-    alpha = _alpha(header, metadata, peft_config, scalar)
+    alpha_keys = [k for k in header if k.endswith(".alpha")]
+    stored = scalars(alpha_keys) if alpha_keys else {}
+    for key, value in stored.items():
+        if not math.isfinite(value):
+            raise AdapterError(f"{file}: tensor {key!r} is {value}: an alpha must be a finite number",
+                               param="lora_path")
+    alpha = _alpha(metadata, peft_config, [stored[k] for k in alpha_keys], file)
     modules = tuple(sorted({module_of(k) for k in header if not k.endswith(".alpha")}))
     size = sum(f.stat().st_size for f in ([file, p / PEFT_CONFIG] if peft_config is not None else [file]))
     return AdapterRecord(
@@ -238,35 +289,58 @@ def _record(p: Path, file: Path, header: dict, metadata: dict, name: str | None,
         metadata=dict(metadata), peft_config=peft_config)
 
 
-def _read_scalar(file: Path, key: str) -> float:
+def _metadata_configs(metadata: dict, file: Path) -> dict[str, dict]:
+    """diffusers' save_lora_weights stores each component's LoraConfig flat as ``comp.field``."""
+    raw = metadata.get("lora_adapter_metadata")
+    if raw is None:
+        return {}
+    try:
+        flat = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise AdapterError(f"{file}: __metadata__ lora_adapter_metadata is not valid JSON",
+                           param="lora_path") from None
+    if not isinstance(flat, dict):
+        raise AdapterError(f"{file}: __metadata__ lora_adapter_metadata is not a JSON object", param="lora_path")
+    out: dict[str, dict] = {}
+    for key, value in flat.items():
+        if "." in key:
+            comp, field_name = key.split(".", 1)
+            out.setdefault(comp, {})[field_name] = value
+    return out
+
+
+def _read_scalars(file: Path, keys: list[str]) -> dict[str, float]:
+    """The values of one-element tensors (shapes and dtypes were checked with the header)."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(file), framework="pt") as fh:
-            return float(fh.get_tensor(key).item())
-    except Exception as exc:  # noqa: BLE001 - any read failure is the file's fault
-        raise AdapterError(f"{file}: cannot read {key} ({exc})", param="lora_path") from None
+            return {k: float(fh.get_tensor(k).double().reshape(()).item()) for k in keys}
+    except Exception as exc:  # noqa: BLE001 - any read failure is the file's fault; never quote its bytes
+        raise AdapterError(f"{file}: cannot read its alpha tensors ({type(exc).__name__})",
+                           param="lora_path") from None
 
 
-def _alpha(header: dict, metadata: dict, peft_config: dict | None, scalar) -> float | None:
+def _alpha(metadata: dict, peft_config: dict | None, stored: list[float], file: Path) -> float | None:
     if peft_config is not None:
         return float(peft_config.get("lora_alpha", peft_config.get("r", 8)))
-    if "lora_adapter_metadata" in metadata:  # written by diffusers' save_lora_weights
-        try:
-            meta = json.loads(metadata["lora_adapter_metadata"])
-            alphas = [v for k, v in meta.items() if k.endswith("lora_alpha")]
-            if alphas:
-                return float(alphas[0])
-        except ValueError:
-            pass
+    if "lora_adapter_metadata" in metadata:  # written by diffusers' save_lora_weights (checked above)
+        meta = json.loads(metadata["lora_adapter_metadata"])
+        alphas = [v for k, v in meta.items() if k.endswith("lora_alpha")]
+        if alphas:
+            return float(alphas[0])
     if "ss_network_alpha" in metadata:  # kohya sd-scripts / musubi
         try:
-            return float(metadata["ss_network_alpha"])
+            value = float(metadata["ss_network_alpha"])
         except ValueError:
-            pass
-    alpha_keys = [k for k in header if k.endswith(".alpha")]
-    if alpha_keys:
-        return scalar(alpha_keys[0])
+            value = None
+        if value is not None and not math.isfinite(value):
+            raise AdapterError(f"{file}: __metadata__ ss_network_alpha is {value}: an alpha must be a finite "
+                               "number", param="lora_path")
+        if value is not None:
+            return value
+    if stored:
+        return stored[0]
     return None
 
 
@@ -292,11 +366,11 @@ def read_tensors(path: str | os.PathLike, name: str | None = None) -> RawAdapter
     file = weights_file(p)
     data, st = _read_whole(file)
     header, metadata, _ = _parse_header(data, len(data), file)
-    _check_entries(header, file)
     try:
         loaded = load(data)
-    except Exception as exc:  # noqa: BLE001 - SafetensorError and friends: name the file
-        raise AdapterError(f"{file}: not a valid safetensors file ({exc})", param="lora_path") from None
+    except Exception as exc:  # noqa: BLE001 - SafetensorError and friends: name the file, not its bytes
+        raise AdapterError(f"{file}: not a valid safetensors file ({type(exc).__name__})",
+                           param="lora_path") from None
     tensors = {k: loaded[k] for k in header}  # the file's order (load's varies), so reports are stable
     key = _sha_key(file, st)
 
@@ -308,7 +382,7 @@ def read_tensors(path: str | os.PathLike, name: str | None = None) -> RawAdapter
         return digest
 
     record = _record(p, file, header, metadata, name, sha256=sha256,
-                     scalar=lambda k: float(tensors[k].float().item()))
+                     scalars=lambda keys: {k: float(tensors[k].double().reshape(()).item()) for k in keys})
     for k, t in tensors.items():
         if t.is_floating_point() and t.numel() and not _finite(t):
             raise AdapterError(f"{file}: tensor {k!r} contains NaN or inf values", param="lora_path")
@@ -327,20 +401,46 @@ def _read_whole(file: Path) -> tuple[bytes, os.stat_result]:
 
 
 def _check_entries(header: dict, file: Path) -> None:
-    """Each entry's shape and dtype against its byte range, naming the tensor at fault
-    (safetensors refuses the same files, but without saying which tensor)."""
+    """Each entry's key, dtype and shape against its byte range, naming the tensor at fault
+    (safetensors refuses malformed files too, but without saying which tensor)."""
     for key, entry in header.items():
+        shown = repr(key[:80]) + ("..." if len(key) > 80 else "")
+        if len(key) > MAX_KEY_LEN:
+            raise AdapterError(f"{file}: tensor key {shown} is longer than {MAX_KEY_LEN} characters",
+                               param="lora_path")
         try:
-            if entry.get("dtype") not in _ITEMSIZE:
-                raise ValueError(f"unsupported dtype {entry.get('dtype')!r}")
-            itemsize = _ITEMSIZE[entry["dtype"]]
+            if not isinstance(entry, dict):
+                raise ValueError("entry is not an object")
+            dtype = entry.get("dtype")
+            if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+                raise ValueError(f"unsupported dtype {str(dtype)[:20]!r}")
+            itemsize = _ITEMSIZE[dtype]
+            if not isinstance(entry.get("shape"), list) or not isinstance(entry.get("data_offsets"), list):
+                raise ValueError("shape and data_offsets must be lists")
             shape = [int(d) for d in entry["shape"]]
             begin, end = (int(x) for x in entry["data_offsets"])
             if min(shape, default=0) < 0 or begin < 0 or end - begin != math.prod(shape) * itemsize:
-                raise ValueError(f"shape {shape} and {entry['dtype']} do not match data_offsets [{begin}, {end}]")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise AdapterError(f"{file}: not a valid safetensors file (tensor {key!r}: {exc})",
+                raise ValueError(f"shape {shape[:8]} and {dtype} do not match data_offsets [{begin}, {end}]")
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise AdapterError(f"{file}: not a valid safetensors file (tensor {shown}: {exc})",
                                param="lora_path") from None
+        if key.endswith(".alpha"):
+            if dtype not in ALPHA_DTYPES:
+                raise AdapterError(f"{file}: tensor {shown} is {dtype}; an alpha must be a number (float or "
+                                   "integer)", param="lora_path")
+            if math.prod(shape) != 1:
+                raise AdapterError(f"{file}: tensor {shown} has shape {shape[:8]}; an alpha must be one number "
+                                   "(shape [] or [1])", param="lora_path")
+        elif dtype.startswith("F8_"):
+            raise AdapterError(f"{file}: tensor {shown} is {dtype}: fp8 factors are refused (they need the "
+                               "scales they were quantized with); re-save the adapter in bf16, fp16 or fp32",
+                               param="lora_path")
+        elif dtype not in FLOAT_DTYPES:
+            raise AdapterError(f"{file}: tensor {shown} is {dtype}: LoRA factors must be floating point "
+                               f"({', '.join(FLOAT_DTYPES)})", param="lora_path")
+        elif not shape or 0 in shape:
+            raise AdapterError(f"{file}: tensor {shown} has shape {shape[:8]}: a factor must have at least one "
+                               "dimension and no empty one", param="lora_path")
 
 
 # bytes per element of the safetensors dtypes torch can hold

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,37 +39,147 @@ def roots(adapter_dirs=None, data_dir=None) -> list[Path]:
     return out
 
 
+# Bounds on one scan of the roots (a listing, a lookup by name): hostile trees must not stall it.
+MAX_DEPTH = 8  # folder levels below a root
+MAX_FILES = 2000  # adapters considered per scan, all roots together
+SCAN_SECONDS = 20.0  # wall time spent inspecting files not yet cached; the rest are marked, not read
+
+# rows by (resolved path, mtime_ns, size[, config mtime_ns, size]): a file is inspected once
+_rows: dict[tuple, tuple] = {}
+_CACHE_ROWS = 4 * MAX_FILES  # cleared when full (files rewritten many times)
+_rows_lock = threading.Lock()
+
+
+def _walk(root: Path, roots: list[Path]):
+    """(path, outside) for every candidate under ``root``: PEFT folders, .safetensors files and
+    pickles, depth-first in name order. Links are followed only where they stay inside a root;
+    a link that leaves every root is yielded once, marked, and never opened. Each real folder
+    is entered once (link loops end there), at most ``MAX_DEPTH`` levels down."""
+    seen: set[tuple[int, int]] = set()
+    stack = [(root, 0)]
+    while stack:
+        here, depth = stack.pop()
+        try:
+            st = here.stat()
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            entries = sorted(os.scandir(here), key=lambda e: e.name)
+        except OSError:
+            continue
+        if any(e.name == PEFT_CONFIG for e in entries):
+            yield here, False
+            continue
+        subdirs = []
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            path = Path(e.path)
+            is_link = e.is_symlink()
+            if is_link and not _inside(Path(os.path.realpath(path)), roots):
+                if e.name.lower().endswith((".safetensors",) + PICKLE_SUFFIXES) or _is_dir(e):
+                    yield path, True
+                continue
+            if _is_dir(e):
+                if depth + 1 <= MAX_DEPTH:
+                    subdirs.append((path, depth + 1))
+            elif e.name.lower().endswith((".safetensors",) + PICKLE_SUFFIXES):
+                yield path, False
+        stack.extend(reversed(subdirs))
+
+
+def _is_dir(entry) -> bool:
+    try:
+        return entry.is_dir()  # follows links; a looping link is not a folder
+    except OSError:
+        return False
+
+
+def _inside(real: Path, roots: list[Path]) -> bool:
+    return any(real == root or real.is_relative_to(root) for root in roots)
+
+
+def _stamp(path: Path) -> tuple:
+    files = [path / PEFT_CONFIG, path / "adapter_model.safetensors"] if path.is_dir() else [path]
+    out: list = [os.path.realpath(path)]
+    for f in files:
+        try:
+            st = f.stat()
+            out += [st.st_mtime_ns, st.st_size]
+        except OSError:
+            out += [None, None]
+    return tuple(out)
+
+
+def _inspect_row(path: Path, name: str) -> tuple:
+    """(record, error) for one candidate; every failure becomes the row's reason, never a crash."""
+    try:
+        rec = inspect(path, name)
+        return rec, None
+    except StudioError as exc:
+        return None, exc.message
+    except Exception as exc:  # noqa: BLE001 - one bad file must not break the listing for everyone
+        return None, f"{path}: unreadable ({type(exc).__name__})"
+
+
 def scan(adapter_dirs=None, data_dir=None) -> list[LibraryEntry]:
-    """Every adapter under the roots: PEFT folders, .safetensors files, refused pickles."""
-    found: list[tuple[Path, Path]] = []  # (root, path)
-    for root in roots(adapter_dirs, data_dir):
+    """Every adapter under the roots: PEFT folders, .safetensors files, refused pickles.
+
+    A file that cannot be used is one entry with ``error`` set (why); the scan is bounded in
+    depth (``MAX_DEPTH``), count (``MAX_FILES``) and time (``SCAN_SECONDS``), and each file is
+    inspected once per (path, mtime, size)."""
+    all_roots = roots(adapter_dirs, data_dir)
+    found: list[tuple[Path, Path, bool]] = []  # (root, path, outside)
+    for root in all_roots:
         if not root.is_dir():
             continue
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-            here = Path(dirpath)
-            if PEFT_CONFIG in filenames:
-                found.append((root, here))
-                dirnames[:] = []  # a PEFT folder is one adapter
-                continue
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for f in sorted(filenames):
-                if f.lower().endswith((".safetensors",) + PICKLE_SUFFIXES):
-                    found.append((root, here / f))
+        for path, outside in _walk(root, all_roots):
+            found.append((root, path, outside))
+            if len(found) >= MAX_FILES:
+                break
+        if len(found) >= MAX_FILES:
+            break
     stems: dict[str, int] = {}
-    for _, p in found:
+    for _, p, _ in found:
         stems[_stem(p)] = stems.get(_stem(p), 0) + 1
     entries = []
-    for root, p in sorted(found, key=lambda rp: str(rp[1])):
+    deadline = time.monotonic() + SCAN_SECONDS
+    for root, p, outside in sorted(found, key=lambda rp: str(rp[1])):
         name = _stem(p) if stems[_stem(p)] == 1 else str(p.relative_to(root).with_suffix(""))
+        if outside:
+            entries.append(LibraryEntry(name, p, error=f"{p}: resolves outside the adapter roots; not read"))
+            continue
         try:
-            entries.append(LibraryEntry(name, p, record=inspect(p, name)))
-        except StudioError as exc:
-            entries.append(LibraryEntry(name, p, error=exc.message))
+            key = (name, *_stamp(p))
+        except (OSError, RuntimeError, ValueError):
+            entries.append(LibraryEntry(name, p, error=f"{p}: cannot be read"))
+            continue
+        with _rows_lock:
+            cached = _rows.get(key)
+        if cached is None:
+            if time.monotonic() > deadline:
+                entries.append(LibraryEntry(name, p, error=f"{p}: not inspected yet (this listing spent its "
+                                                           f"{SCAN_SECONDS:.0f} s budget); list again"))
+                continue
+            cached = _inspect_row(p, name)
+            with _rows_lock:
+                if len(_rows) >= _CACHE_ROWS:
+                    _rows.clear()
+                _rows[key] = cached
+        record, error = cached
+        entries.append(LibraryEntry(name, p, record=record, error=error))
     return entries
 
 
 def _stem(p: Path) -> str:
-    return p.name if p.is_dir() else p.stem
+    return p.name if _is_dir_path(p) else p.stem
+
+
+def _is_dir_path(p: Path) -> bool:
+    try:
+        return p.is_dir()
+    except OSError:
+        return False
 
 
 def find(name: str, adapter_dirs=None, data_dir=None) -> LibraryEntry | None:
@@ -103,7 +215,6 @@ def library_rows(model: str | None = None, adapter_dirs=None, data_dir=None) -> 
     report's summary, ``fits`` a bool). Demo adapters are written first for demo models.
     """
     from . import demo_adapters
-    from .adapter import fit_adapter
 
     if model is None or model.startswith("demo:"):
         demo_adapters.ensure(data_dir)
@@ -114,17 +225,41 @@ def library_rows(model: str | None = None, adapter_dirs=None, data_dir=None) -> 
         row = {"name": entry.name, "path": str(entry.path), "format": rec.format if rec else "-",
                "rank": rec.rank if rec else "-", "alpha": _num(rec.alpha) if rec else "-",
                "size": _size(rec.size_bytes) if rec else "-", "size_bytes": rec.size_bytes if rec else 0,
-               "sha256": rec.sha256 if rec else "", "base_model": (rec.base_model or "") if rec else ""}
+               "sha256": rec.sha256 if rec else "", "base_model": (rec.base_model or "") if rec else "",
+               "usable": entry.error is None, "error": entry.error}
         if entry.error:
             row.update(fit=f"refused: {entry.error}", fits=False)
         elif skeleton is not None:
-            try:
-                report = fit_adapter(entry.path, skeleton[0], skeleton[1], name=entry.name)
-                row.update(fit=report.summary(), fits=report.ok)
-            except StudioError as exc:
-                row.update(fit=f"refused: {exc.message}", fits=False)
+            row.update(_fit_row(model, entry, skeleton))
         rows.append(row)
     return rows
+
+
+_fits: dict[tuple, dict] = {}  # (model, name, stamp) -> {"fit", "fits"}: a file is fitted once per model
+
+
+def _fit_row(model: str, entry: LibraryEntry, skeleton) -> dict:
+    from .adapter import fit_adapter
+
+    try:
+        key = (model, entry.name, *_stamp(entry.path))
+    except OSError:
+        return {"fit": f"refused: {entry.path}: cannot be read", "fits": False}
+    with _rows_lock:
+        cached = _fits.get(key)
+    if cached is None:
+        try:
+            report = fit_adapter(entry.path, skeleton[0], skeleton[1], name=entry.name)
+            cached = {"fit": report.summary(), "fits": report.ok}
+        except StudioError as exc:
+            cached = {"fit": f"refused: {exc.message}", "fits": False}
+        except Exception as exc:  # noqa: BLE001 - one bad file must not break the listing for everyone
+            cached = {"fit": f"refused: {entry.path}: cannot be fitted ({type(exc).__name__})", "fits": False}
+        with _rows_lock:
+            if len(_fits) >= _CACHE_ROWS:
+                _fits.clear()
+            _fits[key] = cached
+    return dict(cached)
 
 
 def format_rows(rows: list[dict]) -> str:
