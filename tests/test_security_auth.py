@@ -249,13 +249,17 @@ def test_login_alone_closes_v1_and_metrics(login_srv):
 
 
 def test_both_key_and_login(both_srv):
+    """With both, the API takes the key, the UI takes the login or the key (docs/server.md)."""
     from openai import AuthenticationError, OpenAI
 
     with both_srv.client("127.0.0.31") as c:
-        for headers in (BEARER, _basic(USER, PASSWORD), _basic("anyone", KEY)):
-            assert c.get("/v1/models", headers=headers).status_code == 200
+        assert c.get("/v1/models", headers=BEARER).status_code == 200
+        _error(c.get("/v1/models", headers=_basic(USER, PASSWORD)), 401)  # the login is the UI's
+        _error(c.get("/metrics", headers=_basic("anyone", KEY)), 401)
+        for headers in (BEARER, _basic(USER, PASSWORD)):
             assert c.get("/gradio_api/info", headers=headers).status_code == 200
-        _error(c.get("/v1/models", headers=_basic("anyone", PASSWORD)), 401)  # the password is the login's
+        _error(c.get("/gradio_api/info", headers=_basic("anyone", KEY)), 401)  # the key is no login here
+        assert c.post("/login", data={"username": "anyone", "password": KEY}).status_code == 400
         assert c.post("/login", data={"username": USER, "password": PASSWORD}).status_code == 200
         assert c.get("/config").status_code == 200
     with pytest.raises(AuthenticationError):

@@ -28,11 +28,6 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_WAIT_S = 3600.0
 
 
-class Unauthorized(StudioError):
-    http_status = 401
-    kind = "invalid_request_error"
-
-
 class Timeout(StudioError):
     http_status = 504
     kind = "timeout"

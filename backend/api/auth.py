@@ -7,7 +7,8 @@ judged on its headers alone, before any byte of its body is read (nor the body l
 filled). It accepts:
 
 - ``Authorization: Bearer KEY`` (the API key);
-- HTTP Basic: the ``--auth`` login, or any user name with the API key as the password;
+- HTTP Basic: the ``--auth`` login; with only ``--api-key``, any user name and the key as the
+  password. With both set, /v1 and /metrics take the key only (the login is the UI's);
 - the UI's session cookie (``Sessions``, given by the UI when it mounts), on the UI's routes only:
   /v1 and /metrics never take a cookie, so another web page cannot drive the API through a
   logged-in browser.
@@ -67,11 +68,12 @@ class Credentials:
         return self.api_key is not None and hmac.compare_digest(token.encode(), self.api_key.encode())
 
     def password(self, user: str, password: str) -> bool:
-        """A login: the --auth pair, or (with --api-key) any user name and the key as password."""
-        ok_key = self.bearer(password)
-        ok_login = self.login is not None and hmac.compare_digest(user.encode(), self.login[0].encode()) \
-            and hmac.compare_digest(password.encode(), self.login[1].encode())
-        return bool(ok_key or ok_login)
+        """A login: the --auth pair; with only --api-key, any user name and the key as password."""
+        if self.login is None:
+            return self.bearer(password)
+        ok_user = hmac.compare_digest(user.encode(), self.login[0].encode())
+        ok_password = hmac.compare_digest(password.encode(), self.login[1].encode())
+        return ok_user and ok_password
 
     __call__ = password  # Gradio's ``auth=`` callable: (user, password) -> bool
 
@@ -177,7 +179,7 @@ class AuthGate:
                                      f"a login form is at most {LOGIN_MAX_BYTES} bytes, sent with a Content-Length")
             return await self.app(scope, receive, _watch_login(send, throttle, client))
 
-        given, user = _presented(headers, config.credentials)
+        given, user = _presented(headers, config.credentials, api=_is_api(path))
         if user is None and config.sessions is not None and not _is_api(path):
             cookie_user = config.sessions.user(headers)
             if cookie_user is not None:
@@ -203,8 +205,9 @@ class AuthGate:
                              bearer=_is_api(path))
 
 
-def _presented(headers: dict, credentials: Credentials) -> tuple[str | None, str | None]:
-    """(what kind of credential the request carries, or None; the user it proves, or None)."""
+def _presented(headers: dict, credentials: Credentials, api: bool) -> tuple[str | None, str | None]:
+    """(what kind of credential the request carries, or None; the user it proves, or None).
+    With an API key, the API routes take only the key: a login is for the UI."""
     raw = headers.get(b"authorization")
     if raw is None:
         return None, None
@@ -217,6 +220,8 @@ def _presented(headers: dict, credentials: Credentials) -> tuple[str | None, str
             user, sep, password = base64.b64decode(value, validate=True).decode("utf-8").partition(":")
         except (binascii.Error, UnicodeDecodeError):
             return "Basic login", None
+        if api and credentials.api_key is not None and credentials.login is not None:
+            return "Basic login (this route takes the API key)", None
         return "Basic login", (user or "api") if sep and credentials.password(user, password) else None
     return f"'{scheme}' authorization", None
 
