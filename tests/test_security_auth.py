@@ -343,3 +343,21 @@ def test_a_wrong_key_is_refused_before_the_body_is_read(key_srv):
     grown = (server.memory_info().rss - before) / 2**20
     assert grown < 64, f"the server grew {grown:.0f} MiB"
     assert json.loads(httpx.get(f"{key_srv.url}/health").text)["status"] == "ok"
+
+
+def test_the_backoff_table_is_bounded_and_forgets():
+    """Memory for the per-client records stays bounded under many addresses; old records go."""
+    from backend.api.auth import Throttle
+
+    now = [0.0]
+    t = Throttle(free=2, base_s=1, max_s=8, forget_s=60, max_clients=100, remember=4, clock=lambda: now[0])
+    for i in range(10_000):
+        t.failed(f"10.0.{i // 256}.{i % 256}", f"guess{i}".encode())
+    assert len(t) == 100
+    for i in range(6):  # 2 free, then 1, 2, 4, 8 (the cap)
+        t.failed("a", f"g{i}".encode())
+    assert t.retry_after("a") == 8
+    t.failed("a", b"g5")  # the same wrong value again: not a new guess
+    assert t.retry_after("a") == 8
+    now[0] += 61  # forgotten a while after the last failure
+    assert t.retry_after("a") == 0
