@@ -237,7 +237,7 @@ def test_login_alone_closes_v1_and_metrics(login_srv):
                              ("POST", "/v1/load_lora_adapter"), ("DELETE", "/v1/jobs/x")):
             r = c.request(method, path, json={"prompt": "x"})
             err = _error(r, 401)
-            assert "Bearer" in err["message"] and r.headers["www-authenticate"].startswith("Bearer")
+            assert "HTTP Basic" in err["message"] and r.headers["www-authenticate"].startswith("Basic")
         # no key is configured: no Bearer value opens anything
         _error(c.get("/v1/models", headers={"Authorization": f"Bearer {PASSWORD}"}), 401)
         _error(c.get("/v1/models", headers=_basic(USER, "wrong")), 401)

@@ -165,7 +165,7 @@ class AuthGate:
         if scope["type"] not in ("http", "websocket") or not config.credentials.configured:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        headers = dict(scope.get("headers") or [])
+        headers = dict(reversed(scope.get("headers") or []))  # the first of repeated headers, as Starlette reads
         client = (scope.get("client") or ("?", 0))[0]
         throttle = config.throttle
 
@@ -179,30 +179,46 @@ class AuthGate:
                                      f"a login form is at most {LOGIN_MAX_BYTES} bytes, sent with a Content-Length")
             return await self.app(scope, receive, _watch_login(send, throttle, client))
 
-        given, user = _presented(headers, config.credentials, api=_is_api(path))
-        if user is None and config.sessions is not None and not _is_api(path):
-            cookie_user = config.sessions.user(headers)
-            if cookie_user is not None:
-                return await self.app(scope, receive, send)
-        if given:
+        api = _is_api(path)
+        if not api and config.sessions is not None and config.sessions.user(headers) is not None:
+            return await self.app(scope, receive, send)  # a logged-in browser (its cookie is no guess)
+        if b"authorization" in headers:
             wait = throttle.retry_after(client)
-            if wait:
+            if wait:  # locked out: not even checked
                 return await _refuse(scope, receive, send, 429, _too_many(wait), wait=wait)
+            given, user = _presented(headers, config.credentials, api=api)
             if user is None:
                 throttle.failed(client, headers.get(b"authorization"))
-                return await _refuse(scope, receive, send, 401,
-                                     f"wrong {given}: send 'Authorization: Bearer <key>' "
-                                     f"or an HTTP Basic login", bearer=_is_api(path))
+                return await _refuse(scope, receive, send, 401, f"wrong {given}: {_hint(config.credentials, api)}",
+                                     challenge=_challenge(config.credentials, api))
             throttle.succeeded(client)
-            if config.sessions is not None and not _is_api(path):
+            if config.sessions is not None and not api:
                 config.sessions.admit(scope, user)
             return await self.app(scope, receive, send)
         if config.is_open(path):
             return await self.app(scope, receive, send)
         return await _refuse(scope, receive, send, 401,
-                             "this server needs credentials: send 'Authorization: Bearer <key>' "
-                             "or an HTTP Basic login" + ("" if _is_api(path) else ", or log in at /"),
-                             bearer=_is_api(path))
+                             f"this server needs credentials: {_hint(config.credentials, api)}"
+                             + ("" if api else ", or log in at /"), challenge=_challenge(config.credentials, api))
+
+
+def _hint(credentials: Credentials, api: bool) -> str:
+    if credentials.login is None:
+        return "send 'Authorization: Bearer <key>' (or HTTP Basic with the key as password)"
+    if credentials.api_key is None:
+        return "send the login as HTTP Basic ('Authorization: Basic <base64 of USER:PASS>', curl -u USER:PASS)"
+    if api:
+        return "send 'Authorization: Bearer <key>' (the login is for the UI)"
+    return "send 'Authorization: Bearer <key>' or the login as HTTP Basic"
+
+
+def _challenge(credentials: Credentials, api: bool) -> str | None:
+    """WWW-Authenticate on the API routes (none on the UI's: a browser would pop up its own dialog
+    over the UI's login form)."""
+    if not api:
+        return None
+    return 'Bearer realm="lora-studio"' if credentials.api_key is not None else 'Basic realm="lora-studio"'
+
 
 
 def _presented(headers: dict, credentials: Credentials, api: bool) -> tuple[str | None, str | None]:
@@ -221,7 +237,7 @@ def _presented(headers: dict, credentials: Credentials, api: bool) -> tuple[str 
         except (binascii.Error, UnicodeDecodeError):
             return "Basic login", None
         if api and credentials.api_key is not None and credentials.login is not None:
-            return "Basic login (this route takes the API key)", None
+            return "Basic login", None
         return "Basic login", (user or "api") if sep and credentials.password(user, password) else None
     return f"'{scheme}' authorization", None
 
@@ -245,7 +261,7 @@ def _watch_login(send, throttle: Throttle, client: str):
     return watching
 
 
-async def _refuse(scope, receive, send, status: int, message: str, *, bearer: bool = False,
+async def _refuse(scope, receive, send, status: int, message: str, *, challenge: str | None = None,
                   wait: float | None = None) -> None:
     """An OpenAI-shaped error, sent without reading the request body."""
     if scope["type"] == "websocket":
@@ -258,8 +274,8 @@ async def _refuse(scope, receive, send, status: int, message: str, *, bearer: bo
 
     kind = "rate_limit_error" if status == 429 else "invalid_request_error"
     headers = {}
-    if bearer and status == 401:
-        headers["WWW-Authenticate"] = 'Bearer realm="lora-studio"'
+    if challenge and status == 401:
+        headers["WWW-Authenticate"] = challenge
     if wait is not None:
         headers["Retry-After"] = str(math.ceil(wait))
     headers["Connection"] = "close"  # the unread body is not drained: this connection ends here
