@@ -205,8 +205,6 @@ def cmd_serve(args) -> int:
         if args.share:
             if mount is None:
                 raise InvalidParameter("--share shares the UI, and this build has no ui package", param="share")
-            if not app.state.auth.credentials.configured:  # never reached: refused above; kept as the invariant
-                raise InvalidParameter("--share needs --auth or --api-key", param="share")
             _share_when_listening(args.host, args.port, app.state.auth.credentials)
         serve(app, host=args.host, port=args.port, on_exit=on_exit)
     finally:

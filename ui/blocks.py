@@ -129,7 +129,7 @@ class GradioSessions:
 
     def __init__(self, gradio_app):
         self.app = gradio_app
-        self._own: dict[str, str] = {}  # user -> the token the gate hands Gradio for key/Basic requests
+        self._own: dict[str, str] = {}  # user ("api" or the --auth user) -> the token the gate hands Gradio
 
     def _names(self) -> tuple[str, str]:
         cid = self.app.cookie_id

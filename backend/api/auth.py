@@ -238,7 +238,9 @@ def _presented(headers: dict, credentials: Credentials, api: bool) -> tuple[str 
             return "Basic login", None
         if api and credentials.api_key is not None and credentials.login is not None:
             return "Basic login", None
-        return "Basic login", (user or "api") if sep and credentials.password(user, password) else None
+        if not sep or not credentials.password(user, password):
+            return "Basic login", None
+        return "Basic login", credentials.login[0] if credentials.login is not None else "api"
     return f"'{scheme}' authorization", None
 
 
