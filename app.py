@@ -56,9 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=7860)
-    serve.add_argument("--share", action="store_true", help="a public Gradio link (requires --auth)")
-    serve.add_argument("--auth", metavar="USER:PASS", help="require this login for the UI")
-    serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--share", action="store_true", help="a public Gradio link (requires --auth or --api-key)")
+    serve.add_argument("--auth", metavar="USER:PASS",
+                       help="require this login on every route (UI form, or HTTP Basic) but /health")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' (or a login with KEY as password) on every "
+                            "route but /health")
     serve.add_argument("--max-loras", type=int, default=4, metavar="N", help="adapters resident on the device")
     serve.add_argument("--max-cpu-loras", type=int, default=16, metavar="N", help="adapters held in CPU memory")
     serve.add_argument("--max-queue", type=int, default=256, metavar="N", help="queued jobs before 429")
@@ -172,10 +175,13 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from backend.errors import InvalidParameter
 
-    if args.share and not args.auth:  # a share link is public: never without a login
-        raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS", param="share")
+    if args.share and not (args.auth or args.api_key):  # a share link is public: every route needs a credential
+        raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS or --api-key KEY "
+                               "(then every route needs one)", param="share")
     if args.auth is not None and not all(args.auth.partition(":")[::2]):
         raise InvalidParameter("--auth must be USER:PASS", param="auth")
+    if args.api_key is not None and not args.api_key.strip():
+        raise InvalidParameter("--api-key must not be empty", param="api_key")
     from backend.api import create_app, serve
     from backend.service import Studio
 
@@ -187,26 +193,26 @@ def cmd_serve(args) -> int:
                     offload=args.offload, offload_stream=args.offload_stream)
     try:
         studio.start()
-        app = create_app(studio, api_key=args.api_key)
+        app = create_app(studio, api_key=args.api_key, login=args.auth)  # one gate for API and UI
         on_exit = [studio.stopping]  # Ctrl-C / SIGTERM: end open waits and streams, then close
         try:
             from ui import end_streams, mount
         except ImportError:  # a build without the UI package: the HTTP API alone
             mount = None
         if mount is not None:
-            mount(app, studio, auth=args.auth)  # last, so the API routes keep priority
+            mount(app, studio)  # last, so the API routes keep priority; it takes the app's credentials
             on_exit.append(lambda: end_streams(app))
         if args.share:
             if mount is None:
                 raise InvalidParameter("--share shares the UI, and this build has no ui package", param="share")
-            _share_when_listening(args.host, args.port, args.auth)
+            _share_when_listening(args.host, args.port, app.state.auth.credentials)
         serve(app, host=args.host, port=args.port, on_exit=on_exit)
     finally:
         studio.close()
     return 0
 
 
-def _share_when_listening(host: str, port: int, auth: str) -> None:
+def _share_when_listening(host: str, port: int, auth) -> None:
     """Open the public share tunnel (ui.share_link) once the server accepts connections."""
     import socket
     import threading

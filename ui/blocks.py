@@ -32,8 +32,8 @@ TAB_IDS = ("generate", "compare", "adapters", "presets", "queue", "gallery", "sy
 
 
 def parse_auth(auth) -> tuple[str, str] | None:
-    """``"USER:PASS"`` (the --auth flag) or a (user, password) pair."""
-    if auth is None or isinstance(auth, tuple):
+    """``"USER:PASS"`` (the --auth flag) or a (user, password) pair (a callable passes through)."""
+    if auth is None or isinstance(auth, tuple) or callable(auth):
         return auth
     user, sep, password = str(auth).partition(":")
     if not sep or not user or not password:
@@ -114,13 +114,77 @@ def end_streams(app) -> None:
             stop.set()
 
 
+# What a browser needs to show the login form and post it, when the server has credentials
+# (backend/api/auth.py refuses every other path without one). Gradio 6.31's routes: "/" renders
+# the login form for a visitor without a session; assets, styles and icons hold no state.
+LOGIN_PAGE = ("/", "/favicon.ico", "/theme.css", "/gradio_api/theme.css", "/robots.txt", "/manifest.json")
+LOGIN_ASSETS = ("/assets/", "/static/", "/svelte/", "/pwa_icon")
+LOGIN_FORM = ("/login", "/login/")
+
+
+class GradioSessions:
+    """backend.api.auth.Sessions over Gradio's own login (its session cookie and token table), so
+    the gate and Gradio agree on who is logged in, and Gradio's own checks pass a request the gate
+    accepted by API key or Basic login."""
+
+    def __init__(self, gradio_app):
+        self.app = gradio_app
+        self._own: dict[str, str] = {}  # user ("api" or the --auth user) -> the token the gate hands Gradio
+
+    def _names(self) -> tuple[str, str]:
+        cid = self.app.cookie_id
+        return f"access-token-{cid}", f"access-token-unsecure-{cid}"
+
+    def user(self, headers) -> str | None:
+        from starlette.requests import cookie_parser
+
+        cookies = cookie_parser(headers.get(b"cookie", b"").decode("latin-1"))
+        secure, unsecure = self._names()
+        token = cookies.get(secure) or cookies.get(unsecure)  # Gradio's own order
+        return self.app.tokens.get(token) if token else None
+
+    def admit(self, scope, user: str) -> None:
+        import secrets
+
+        token = self._own.setdefault(user, secrets.token_urlsafe(32))
+        self.app.tokens[token] = user  # again each time: Gradio's /logout drops a user's tokens
+        secure, unsecure = self._names()
+        kept = [part for part in (v.decode("latin-1") for k, v in scope["headers"] if k == b"cookie")
+                for part in part.split(";")
+                if part.strip() and not part.strip().startswith(("access-token-",))]
+        headers = [(k, v) for k, v in scope["headers"] if k != b"cookie"]
+        headers.append((b"cookie", "; ".join([*map(str.strip, kept), f"{unsecure}={token}"]).encode("latin-1")))
+        scope["headers"] = headers
+
+
 def mount(app, studio, *, auth=None, path: str = "/"):
     """Mount the UI on the backend's FastAPI app, so UI and HTTP API share one server.
-    Mount last: routes added to ``app`` before this keep priority over the UI."""
+    Mount last: routes added to ``app`` before this keep priority over the UI.
+
+    When the app has credentials (``app.state.auth``, from create_app's api_key/login), the UI's
+    login takes them (the --auth login, or any user name with the API key as password), its login
+    page stays reachable, and the gate knows Gradio's session cookie."""
+    gate = getattr(app.state, "auth", None)
+    if gate is not None:
+        if auth is not None:  # one rule: a UI login guards the API too
+            login = parse_auth(auth)
+            if gate.credentials.login not in (None, login):
+                raise ValueError("mount(auth=...) differs from create_app(login=...)")
+            gate.credentials.login = login
+        if gate.credentials.configured:
+            auth = gate.credentials  # a callable (user, password) -> bool
     blocks = build_ui(studio, auth=auth)
     kw = blocks.ls_launch
-    return gr.mount_gradio_app(app, blocks, path=path, auth=kw["auth"], allowed_paths=kw["allowed_paths"],
-                               css=kw["css"], ssr_mode=False, footer_links=["api", "settings"])
+    gr.mount_gradio_app(app, blocks, path=path, auth=kw["auth"], allowed_paths=kw["allowed_paths"],
+                        css=kw["css"], ssr_mode=False, footer_links=["api", "settings"])
+    if gate is not None and gate.credentials.configured:
+        gradio_app = next(r.app for r in app.routes if getattr(r, "app", None) is not None
+                          and hasattr(r.app, "cookie_id") and hasattr(r.app, "tokens"))
+        root = path.rstrip("/")
+        gate.add_open(exact=[root + p for p in LOGIN_PAGE] + ([root] if root else []),
+                      prefixes=[root + p for p in LOGIN_ASSETS], login=[root + p for p in LOGIN_FORM])
+        gate.sessions = GradioSessions(gradio_app)
+    return app
 
 
 def launch(blocks: gr.Blocks, **kwargs):

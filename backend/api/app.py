@@ -10,27 +10,22 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import hmac
 import time
 import uuid
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import InvalidParameter, StudioError
 from ..service import job_error
+from .auth import AuthGate, Credentials, GateConfig
 from .schemas import ChatRequest, GenerationRequest, LoadAdapterRequest, UnloadAdapterRequest
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_WAIT_S = 3600.0
-
-
-class Unauthorized(StudioError):
-    http_status = 401
-    kind = "invalid_request_error"
 
 
 class Timeout(StudioError):
@@ -86,10 +81,13 @@ def _studio_error(exc: StudioError) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.http_status), status_code=exc.http_status)
 
 
-def create_app(studio, api_key: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
-               wait_s: float = DEFAULT_WAIT_S) -> FastAPI:
+def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, str] | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, wait_s: float = DEFAULT_WAIT_S) -> FastAPI:
+    """``api_key`` / ``login`` (USER:PASS): when either is set, every route but /health needs a
+    credential (backend/api/auth.py; the UI adds its login page when it mounts)."""
     app = FastAPI(title="LoRA Studio", version="1", docs_url="/docs", openapi_url="/openapi.json")
     app.state.studio = studio
+    app.state.auth = GateConfig(Credentials(api_key, login))
 
     @app.exception_handler(StudioError)
     async def _on_studio_error(request, exc: StudioError):
@@ -109,23 +107,16 @@ def create_app(studio, api_key: str | None = None, *, max_body_bytes: int = MAX_
         return JSONResponse(error_body(str(exc.detail), kind, None, exc.status_code), status_code=exc.status_code)
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-
-    def require_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'" if header else
-                               "this server needs an API key: send 'Authorization: Bearer <key>'")
+    # outermost (added last): credentials are judged on the headers, before any body is read
+    app.add_middleware(AuthGate, config=app.state.auth)
 
     @app.get("/health")
     def health():
         return {"status": "ok"}
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+    v1 = APIRouter(prefix="/v1")
 
-    @app.get("/metrics", dependencies=[Depends(require_key)])
+    @app.get("/metrics")
     def metrics():
         return studio.system()
 
