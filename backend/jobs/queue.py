@@ -215,7 +215,7 @@ class JobQueue:
 
     def recover(self) -> dict:
         """After a server restart: jobs left 'running' are re-queued once, then failed. Unfinished
-        rows that cannot be read (invalid JSON) are marked failed with the reason."""
+        rows that cannot be read (invalid JSON) are marked failed with the reason (counted in "failed")."""
         with self._lock:
             rows = self._db.execute("SELECT * FROM jobs WHERE status IN ('queued', 'running')").fetchall()
             bad = sum(1 for row in rows if self._to_dict(row)["status"] == "failed")
@@ -232,7 +232,7 @@ class JobQueue:
                                (time.time(), "interrupted by a server restart twice; not retried again",
                                 row["id"]))
                     failed += 1
-        return {"requeued": requeued, "failed": failed, "unreadable": bad}
+        return {"requeued": requeued, "failed": failed + bad}
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, job_id: str) -> dict:
