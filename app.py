@@ -65,6 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-loras", type=int, default=4, metavar="N", help="adapters resident on the device")
     serve.add_argument("--max-cpu-loras", type=int, default=16, metavar="N", help="adapters held in CPU memory")
     serve.add_argument("--max-queue", type=int, default=256, metavar="N", help="queued jobs before 429")
+    limits = serve.add_argument_group("request limits (a request over one is a 400 naming the field; "
+                                      "docs/security-limits.md)")
+    limits.add_argument("--max-side", type=int, metavar="PX",
+                        help="largest height or width (default: per model family, e.g. 2048 for images)")
+    limits.add_argument("--max-frames", type=int, metavar="N", help="most video frames (default: per model family)")
+    limits.add_argument("--max-work", type=int, metavar="N",
+                        help="budget of height x width x frames x steps per job (default: per model family)")
+    limits.add_argument("--max-prompt-chars", type=int, default=20_000, metavar="N",
+                        help="longest prompt or negative prompt, in characters")
+    limits.add_argument("--max-adapters", type=int, default=8, metavar="N", help="adapters in one request")
+    limits.add_argument("--job-timeout", type=float, default=3600.0, metavar="S",
+                        help="a job running longer is stopped at its next step and failed (0: no limit)")
+    limits.add_argument("--client-timeout", type=float, default=60.0, metavar="S",
+                        help="time a client gets to send a request's headers, and again its body")
     serve.add_argument("--engine", choices=("local", "ray"), default="local",
                        help="local: one worker process; ray: a Ray Serve pool of replicas (docs/scaling.md)")
     serve.add_argument("--ray-address", metavar="ADDR",
@@ -183,17 +197,25 @@ def cmd_serve(args) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise InvalidParameter("--api-key must not be empty", param="api_key")
     from backend.api import create_app, serve
+    from backend.limits import Limits
     from backend.service import Studio
 
+    if args.client_timeout <= 0:
+        raise InvalidParameter(f"--client-timeout must be > 0 seconds, got {args.client_timeout}",
+                               param="client_timeout")
+    limits = Limits(max_side=args.max_side, max_frames=args.max_frames, max_work=args.max_work,
+                    max_prompt_chars=args.max_prompt_chars, max_adapters=args.max_adapters,
+                    job_timeout=args.job_timeout)
     studio = Studio(args.model, data_dir=args.data_dir, adapter_dirs=args.adapter_dir,
                     lora_backend=args.lora_backend, lora_paths=args.lora_path, lora_scale=args.lora_scale,
                     preset=args.preset, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                     max_queue=args.max_queue, device=args.device, dtype=args.dtype, engine=args.engine,
                     ray_address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
-                    offload=args.offload, offload_stream=args.offload_stream)
+                    offload=args.offload, offload_stream=args.offload_stream, limits=limits)
     try:
         studio.start()
-        app = create_app(studio, api_key=args.api_key, login=args.auth)  # one gate for API and UI
+        app = create_app(studio, api_key=args.api_key, login=args.auth,  # one gate for API and UI
+                         client_timeout=args.client_timeout)
         on_exit = [studio.stopping]  # Ctrl-C / SIGTERM: end open waits and streams, then close
         try:
             from ui import end_streams, mount
@@ -206,7 +228,7 @@ def cmd_serve(args) -> int:
             if mount is None:
                 raise InvalidParameter("--share shares the UI, and this build has no ui package", param="share")
             _share_when_listening(args.host, args.port, app.state.auth.credentials)
-        serve(app, host=args.host, port=args.port, on_exit=on_exit)
+        serve(app, host=args.host, port=args.port, on_exit=on_exit, client_timeout=args.client_timeout)
     finally:
         studio.close()
     return 0

@@ -65,3 +65,18 @@ class Cancelled(StudioError):
 
     http_status = 409
     kind = "cancelled"
+
+
+class StorageFull(StudioError):
+    """The disk (or this process's file-size limit) is full: an output or upload could not be written."""
+
+    http_status = 507
+    kind = "insufficient_storage"
+
+
+# errno values that mean "no room to write": the device is full, a quota, a file-size limit
+STORAGE_ERRNOS = frozenset({28, 122, 27})  # ENOSPC, EDQUOT (Linux), EFBIG
+
+
+def storage_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS

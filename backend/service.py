@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 from . import settings
-from .errors import AdapterNotFound, InvalidParameter, PathNotAllowed, StudioError
+from .errors import AdapterNotFound, InvalidParameter, ModelNotFound, PathNotAllowed, StudioError
 from .jobs.adapters import AdapterResolver
 from .jobs.queue import FINISHED, JobQueue
 from .jobs.supervisor import Supervisor
 from .jobs.worker import WorkerConfig
+from .limits import Limits, check_request, check_text
 from .minimax import offload as offload_policy
 
 DEFAULT_MODEL = "demo:qwen-image"
@@ -34,7 +35,8 @@ class Studio:
                  max_cpu_loras: int = 16, max_queue: int = 256, max_overtake: int = 4, device: str | None = None,
                  dtype: str | None = None, worker_threads: int | None = None, db_path=None,
                  engine: str = "local", ray_address: str | None = None, replicas: int = 1,
-                 gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False):
+                 gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False,
+                 limits: Limits | None = None):
         if engine not in ENGINES:
             raise InvalidParameter(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}", param="engine")
         if engine == "ray" and (replicas < 1 or gpus_per_replica < 0):
@@ -47,6 +49,7 @@ class Studio:
         offload_policy.check_engine(plan, engine)
         self.data_dir = settings.data_dir(data_dir)
         self.model = model
+        self.limits = limits or Limits()
         self.lora_backend = lora_backend
         self.preset = preset
         self.resolver = AdapterResolver(adapter_dirs, self.data_dir)
@@ -72,7 +75,7 @@ class Studio:
                                     max_cpu_loras=max_cpu_loras)
             self.supervisor = RayDispatcher(self.queue, self.config, ray_cfg)
         else:
-            self.supervisor = Supervisor(self.queue, self.config)
+            self.supervisor = Supervisor(self.queue, self.config, job_timeout=self.limits.job_timeout)
         self.started_at = time.time()
         self._closed = False
 
@@ -106,6 +109,17 @@ class Studio:
         """Queue a job; the returned dict is already a committed row. Raises StudioError subclasses."""
         if not isinstance(params, dict):
             raise InvalidParameter("params must be an object of generation fields", param="params")
+        if adapters is not None and not isinstance(adapters, list):
+            raise InvalidParameter("'lora' must be an adapter object or a list of them", param="lora")
+        if adapters and len(adapters) > self.limits.max_adapters:  # before resolving any of them
+            check_request(self.limits, None, {}, {}, adapters)
+        for key, value in params.items():
+            check_text(key, "params")
+            check_text(value, str(key))
+        check_text(adapters, "lora")
+        check_text(preset, "preset")
+        if model is not None:
+            model = self.check_model(model)
         if adapters and self.lora_backend == "distill":
             raise InvalidParameter(
                 "this server runs --lora-backend distill: its LoRA is fused into the base at start, so "
@@ -113,18 +127,21 @@ class Studio:
         if preset is not None and preset != self.current_preset():
             raise InvalidParameter(f"preset {preset!r} is not the one applied now "
                                    f"({self.current_preset() or 'none'}); apply it first", param="preset")
+        params = self._check_params(params, model, adapters)
         resolved = [a.as_dict() for a in self.resolver.resolve(adapters)]
-        params = self._check_params(params, model)
         job = self.queue.submit(kind, model=model or self.current_model(), params=params, adapters=resolved,
                                 preset=self.current_preset())
         self.supervisor.wake()
         return job
 
-    def _check_params(self, params: dict, model: str | None) -> dict:
+    def _check_params(self, params: dict, model: str | None, adapters: list | None = None) -> dict:
         """Reject what the loaded model's spec refuses now (an HTTP 400), before the job is queued."""
+        from .params import FIELDS, IMAGE_FIELDS, _check
+
         params = {k: v for k, v in params.items() if v is not None}
-        spec = (self.supervisor.info or {}).get("spec")
-        if spec and (model is None or model == self.current_model()):
+        current = model is None or model == self.current_model()
+        spec = (self.supervisor.info or {}).get("spec") if current else _static_spec(model, self.data_dir)
+        if spec and current:
             unknown = sorted(k for k in params if k not in spec["fields"])
             if unknown:
                 raise InvalidParameter(
@@ -132,6 +149,11 @@ class Studio:
                     f"{', '.join(spec['fields'])}", param=unknown[0])
         if "image" in params and not isinstance(params["image"], str):
             raise InvalidParameter("'image' must be a path to an image file", param="image")
+        for name, value in params.items():  # types and ranges now (400), not in the worker (a failed job)
+            if name in FIELDS and name not in IMAGE_FIELDS and name != "references":
+                _check(name, value)
+        check_request(self.limits, (spec or {}).get("pipeline"), (spec or {}).get("defaults") or {}, params,
+                      adapters)
         return params
 
     def job(self, job_id: str) -> dict:
@@ -148,6 +170,10 @@ class Studio:
 
     def wait(self, job_id: str, timeout: float | None = None) -> dict:
         return self.queue.wait(job_id, timeout)
+
+    async def wait_async(self, job_id: str, timeout: float | None = None) -> dict:
+        """``wait`` from an event loop (HTTP handlers, Gradio events): no thread held while it waits."""
+        return await self.queue.wait_async(job_id, timeout)
 
     def run(self, kind: str, params: dict, adapters=None, preset=None, model=None,
             timeout: float | None = None) -> dict:
@@ -167,7 +193,7 @@ class Studio:
 
         info = self.supervisor.info or {}
         loaded = self.current_model()
-        ids = [loaded] + [m for m in DEMO_MODELS if m != loaded]
+        ids = list(dict.fromkeys([loaded, self.model, *DEMO_MODELS]))
         out = []
         for model_id in ids:
             entry = {"id": model_id, "loaded": model_id == loaded}
@@ -177,9 +203,24 @@ class Studio:
             out.append(entry)
         return out
 
+    def check_model(self, model_id) -> str:
+        """The one rule for every ``model`` a client names (UI, gradio_client, /v1, switch): the
+        demo ids, the model the server started with, the one loaded now, and Hugging Face repo ids
+        already in the local cache. Anything else, local paths included, gets the same error,
+        which says nothing about the file system."""
+        from .demo import DEMO_MODELS
+
+        if isinstance(model_id, str):
+            model_id = model_id.strip()
+            if model_id in DEMO_MODELS or model_id in (self.model, self.current_model()) or _cached_repo(model_id):
+                return model_id
+        shown = repr(model_id[:100]) if isinstance(model_id, str) else type(model_id).__name__
+        raise ModelNotFound(f"model {shown} is not served here; choose one of: "
+                            f"{', '.join(dict.fromkeys([self.current_model(), self.model, *DEMO_MODELS]))} "
+                            "(or a Hugging Face repo id in this server's cache)", param="model")
+
     def switch_model(self, model_id: str) -> dict:
-        if not isinstance(model_id, str) or not model_id.strip():
-            raise InvalidParameter("model must be a non-empty string", param="model")
+        model_id = self.check_model(model_id)
         job = self.queue.submit("load_model", model=model_id, params={}, preset=None)
         self.supervisor.wake()
         return job
@@ -362,6 +403,22 @@ def job_error(job: dict) -> StudioError:
     exc.http_status = int(detail.get("status") or 500)
     exc.kind = detail.get("type") or "server_error"
     return exc
+
+
+def _cached_repo(model_id: str) -> bool:
+    """A Hugging Face repo id ("org/name") whose snapshot is in the local cache (never a path)."""
+    if model_id.count("/") != 1 or model_id.startswith((".", "/", "~")) or ".." in model_id \
+            or "\\" in model_id or Path(model_id).exists():
+        return False
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(model_id)
+        snapshot_download(model_id, local_files_only=True)
+        return True
+    except Exception:  # not a valid id, not cached, no huggingface_hub: not servable
+        return False
 
 
 def _library_rows(model, adapter_dirs, data_dir) -> list[dict]:

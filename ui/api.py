@@ -8,11 +8,12 @@ any Gradio output.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
 import gradio as gr
+from anyio import to_thread
 
-from .follow import follow
 from .views import readable
 
 
@@ -47,14 +48,15 @@ def parse_adapters(value) -> list[dict]:
 
 
 def build(studio) -> None:
-    def generate(prompt: str, negative_prompt: str | None = None, seed: int | None = None,
+    async def generate(prompt: str, negative_prompt: str | None = None, seed: int | None = None,
                  height: int | None = None, width: int | None = None, num_inference_steps: int | None = None,
                  true_cfg_scale: float | None = None, guidance_scale: float | None = None,
                  guidance_scale_2: float | None = None, boundary_ratio: float | None = None,
                  flow_shift: float | None = None, sample_solver: str | None = None, num_frames: int | None = None,
                  fps: int | None = None, task_type: str | None = None, image: str | None = None,
                  adapters: list | str | None = None, model: str | None = None, preset: str | None = None):
-        """Generate one image or video; returns (output file, metadata)."""
+        """Generate one image or video; returns (output file, metadata). It waits on the event loop
+        (Studio.wait_async), so a waiting call holds none of the server's worker threads."""
         fields = dict(negative_prompt=negative_prompt, seed=seed, height=height, width=width,
                       num_inference_steps=num_inference_steps, true_cfg_scale=true_cfg_scale,
                       guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
@@ -62,10 +64,19 @@ def build(studio) -> None:
                       num_frames=num_frames, fps=fps, task_type=task_type, image=image)
         params = {"prompt": prompt, **{k: v for k, v in fields.items() if v not in (None, "")}}
         try:
-            job = studio.submit("generate", params, parse_adapters(adapters), preset or None, model or None)
-            for (job,) in follow(studio, [job["id"]]):
-                pass
+            job = await to_thread.run_sync(studio.submit, "generate", params, parse_adapters(adapters),
+                                           preset or None, model or None)
         except gr.Error:
+            raise
+        except Exception as exc:
+            _fail(exc)
+        try:
+            job = await studio.wait_async(job["id"])
+        except asyncio.CancelledError:  # the caller went away (cancel, disconnect): stop the work too
+            try:
+                studio.cancel(job["id"])
+            except Exception:  # already finished or gone: nothing left to stop
+                pass
             raise
         except Exception as exc:
             _fail(exc)

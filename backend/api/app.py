@@ -10,22 +10,28 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import logging
 import time
 import uuid
 from pathlib import Path
 
+import anyio
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import InvalidParameter, StudioError
+from ..errors import InvalidParameter, StorageFull, StudioError, storage_full
 from ..service import job_error
 from .auth import AuthGate, Credentials, GateConfig
 from .schemas import ChatRequest, GenerationRequest, LoadAdapterRequest, UnloadAdapterRequest
+from .server import CLIENT_TIMEOUT_S
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_WAIT_S = 3600.0
+log = logging.getLogger("lora_studio.api")
 
 
 class Timeout(StudioError):
@@ -37,11 +43,16 @@ class BodyTooLarge(StudioError):
     http_status = 413
 
 
-class BodyLimit:
-    """Refuse request bodies over ``max_bytes`` (413), by Content-Length or as they stream in."""
+class BodyTooSlow(StudioError):
+    http_status = 408
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+
+class BodyLimit:
+    """Refuse request bodies over ``max_bytes`` (413), by Content-Length or as they stream in, and
+    bodies that take over ``timeout_s`` to arrive (408: a slow client holds no request open)."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float = CLIENT_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -52,15 +63,19 @@ class BodyLimit:
         # read the (JSON) body up to the limit first, then hand it on: a body streamed
         # without Content-Length is held to the same bound
         chunks, seen, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            seen += len(chunks[-1])
-            if seen > self.max_bytes:
-                return await self._refuse(scope, receive, send, seen)
-            more = message.get("more_body", False)
+        with anyio.move_on_after(self.timeout_s) as slow:
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                chunks.append(message.get("body", b""))
+                seen += len(chunks[-1])
+                if seen > self.max_bytes:
+                    return await self._refuse(scope, receive, send, seen)
+                more = message.get("more_body", False)
+        if slow.cancelled_caught:
+            exc = BodyTooSlow(f"the request body did not arrive within {self.timeout_s:g} s ({seen} bytes came)")
+            return await _studio_error(exc)(scope, receive, send)
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replayed():
@@ -81,8 +96,29 @@ def _studio_error(exc: StudioError) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.http_status), status_code=exc.http_status)
 
 
+def known_error(exc: BaseException) -> StudioError | None:
+    """The client error an exception from a request stands for, or None (a bug: a 500)."""
+    if isinstance(exc, StudioError):
+        return exc
+    if storage_full(exc):
+        return StorageFull(f"no room on the server's disk to store the request's data ({exc.strerror}); "
+                           "tell the operator", param=None)
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        return InvalidParameter(f"{param or 'body'}: {err.get('msg')}", param=param)
+    if isinstance(exc, UnicodeError):
+        return InvalidParameter("the request holds text that is not valid Unicode (e.g. a lone surrogate)")
+    if isinstance(exc, ValueError) and "null byte" in str(exc):
+        return InvalidParameter("a name or path in the request contains a NUL byte")
+    if isinstance(exc, OverflowError):
+        return InvalidParameter(f"a number in the request is out of range ({exc})")
+    return None
+
+
 def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, str] | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, wait_s: float = DEFAULT_WAIT_S) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, wait_s: float = DEFAULT_WAIT_S,
+               client_timeout: float = CLIENT_TIMEOUT_S) -> FastAPI:
     """``api_key`` / ``login`` (USER:PASS): when either is set, every route but /health needs a
     credential (backend/api/auth.py; the UI adds its login page when it mounts)."""
     app = FastAPI(title="LoRA Studio", version="1", docs_url="/docs", openapi_url="/openapi.json")
@@ -106,12 +142,26 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind, None, exc.status_code), status_code=exc.status_code)
 
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    async def _on_other(request, exc: Exception):
+        """Known user errors (a NUL byte, bad Unicode, a full disk) are JSON 4xx/507; anything else a
+        JSON 500 (its traceback goes to the server log), never a plain-text page."""
+        mapped = known_error(exc)
+        if mapped is not None:
+            return _studio_error(mapped)
+        log.error("error in %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(f"internal server error ({type(exc).__name__}); see the server log",
+                                       "server_error", None, 500), status_code=500)
+
+    for cls in (ValueError, UnicodeError, OSError, ArithmeticError, Exception):
+        app.add_exception_handler(cls, _on_other)
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=client_timeout)
+
     # outermost (added last): credentials are judged on the headers, before any body is read
     app.add_middleware(AuthGate, config=app.state.auth)
 
     @app.get("/health")
-    def health():
+    async def health():  # on the event loop: answers even when every worker thread is busy
         return {"status": "ok"}
 
     v1 = APIRouter(prefix="/v1")
@@ -128,31 +178,43 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
              "loaded": m.get("loaded", False), "pipeline": m.get("pipeline"), "output": m.get("output")}
             for m in studio.models()]}
 
-    def generate(body, prompt: str, extra: dict, image: str | None) -> list[dict]:
-        """Queue ``n`` jobs (seed, seed+1, ...) and wait for them; the finished job dicts."""
+    def submit(body, prompt: str, extra: dict, image: str | None) -> list[dict]:
+        """Queue ``n`` jobs (seed, seed+1, ...); an input image that is refused is not kept."""
         fields = {**body.fields(exclude=frozenset({"prompt", "messages", "size", "response_format"})), **extra,
                   "prompt": prompt}
-        if image is not None or "image" in fields:
-            fields["image"] = _save_upload(studio, image if image is not None else fields["image"])
-        model = body.model if body.model and body.model != studio.current_model() and \
-            _known_model(studio, body.model) else None
+        model = _known_model(studio, body.model)
         adapters = body.adapters()
-        seed = fields.get("seed")
-        jobs = []
-        for i in range(body.n):
-            params = dict(fields)
-            if seed is not None and body.n > 1:
-                params["seed"] = int(seed) + i
-            jobs.append(studio.submit("generate", params, adapters, None, model))
-        done = [studio.wait(j["id"], wait_s) for j in jobs]
+        upload, jobs = None, []
+        try:
+            if image is not None or "image" in fields:
+                upload = fields["image"] = _save_upload(studio, image if image is not None else fields["image"])
+            seed = fields.get("seed")
+            for i in range(body.n):
+                params = dict(fields)
+                if seed is not None and body.n > 1:
+                    params["seed"] = int(seed) + i
+                jobs.append(studio.submit("generate", params, adapters, None, model))
+        except BaseException:
+            if upload is not None and not jobs:
+                Path(upload).unlink(missing_ok=True)
+            raise
+        return jobs
+
+    async def generate(body, prompt: str, extra: dict, image: str | None) -> list[dict]:
+        """Queue the jobs, then wait for them without holding a thread; the finished job dicts."""
+        jobs = await run_in_threadpool(submit, body, prompt, extra, image)
+        done = [await studio.wait_async(j["id"], wait_s) for j in jobs]
         for job in done:
             _raise_for(job)
         return done
 
     @v1.post("/chat/completions")
-    def chat(body: ChatRequest):
+    async def chat(body: ChatRequest):
         prompt, image = body.prompt_and_image()
-        jobs = generate(body, prompt, {}, image)
+        jobs = await generate(body, prompt, {}, image)
+        return await run_in_threadpool(chat_answer, jobs)
+
+    def chat_answer(jobs: list[dict]) -> dict:
         choices = []
         for i, job in enumerate(jobs):
             url, is_video = _data_url(job)
@@ -165,8 +227,11 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
                 "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
                 "metadata": [j["result"]["metadata"] for j in jobs]}
 
-    def media(body: GenerationRequest, want_video: bool):
-        jobs = generate(body, body.prompt, body.size_fields(), None)
+    async def media(body: GenerationRequest, want_video: bool):
+        jobs = await generate(body, body.prompt, body.size_fields(), None)
+        return await run_in_threadpool(media_answer, jobs, want_video)
+
+    def media_answer(jobs: list[dict], want_video: bool) -> dict:
         data = []
         for job in jobs:
             path = Path(job["result"]["path"])
@@ -179,12 +244,12 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
         return {"created": int(time.time()), "data": data}
 
     @v1.post("/images/generations")
-    def images(body: GenerationRequest):
-        return media(body, want_video=False)
+    async def images(body: GenerationRequest):
+        return await media(body, want_video=False)
 
     @v1.post("/videos/generations")
-    def videos(body: GenerationRequest):
-        return media(body, want_video=True)
+    async def videos(body: GenerationRequest):
+        return await media(body, want_video=True)
 
     @v1.get("/loras")
     def loras():
@@ -232,9 +297,15 @@ def _data_url(job: dict) -> tuple[str, bool]:
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}", is_video
 
 
-def _known_model(studio, model: str) -> bool:
-    """OpenAI clients always send some ``model``; only a model we serve selects one."""
-    return any(m["id"] == model for m in studio.models())
+def _known_model(studio, model: str | None) -> str | None:
+    """OpenAI clients always send some ``model``; only a model this server serves (Studio.check_model)
+    selects one, any other name means "the loaded one"."""
+    if not model or model == studio.current_model():
+        return None
+    try:
+        return studio.check_model(model)
+    except StudioError:
+        return None
 
 
 def _save_upload(studio, value) -> str:
@@ -250,5 +321,12 @@ def _save_upload(studio, value) -> str:
     folder = Path(studio.data_dir) / "uploads"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{hashlib.sha256(raw).hexdigest()[:24]}-{uuid.uuid4().hex[:6]}.img"
-    path.write_bytes(raw)
+    try:
+        path.write_bytes(raw)
+    except OSError as exc:
+        path.unlink(missing_ok=True)  # no half-written upload left behind
+        if storage_full(exc):
+            raise StorageFull(f"no room on the server's disk to store the input image ({exc.strerror}); "
+                              "tell the operator", param="image") from None
+        raise
     return str(path)

@@ -9,9 +9,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import InvalidParameter
+from ..limits import check_text
+
+
+class _Text(BaseModel):
+    """Every string in a body is checked first (a NUL byte or a lone surrogate is a 400 naming the
+    field, not a 500 from the file system, SQLite or a tokenizer later)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_text(cls, data):
+        if isinstance(data, dict):
+            for key, value in data.items():
+                check_text(key, "body")
+                check_text(value, str(key))
+        return data
 
 # OpenAI request keys that mean nothing for diffusion; accepted and ignored
 IGNORED_KEYS = frozenset({"stream", "temperature", "top_p", "max_tokens", "max_completion_tokens", "user",
@@ -33,7 +48,7 @@ class LoraSpec(BaseModel):
         return {"name": self.name, "path": self.path, "scale": self.scale, "int_id": self.int_id}
 
 
-class _Body(BaseModel):
+class _Body(_Text):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     extra_body: dict[str, Any] | None = None
@@ -48,12 +63,24 @@ class _Body(BaseModel):
         out.update({k: v for k, v in inner.items() if k not in IGNORED_KEYS and k not in exclude})
         return out
 
+    @model_validator(mode="after")
+    def _lora_in_extra_body(self):
+        self.adapters()  # a bad extra_body.lora is refused with the body (400), before anything is saved
+        return self
+
     def adapters(self) -> list[dict] | None:
         raw = self.lora
         if raw is None and self.extra_body and "lora" in self.extra_body:
             value = self.extra_body["lora"]
-            raw = [LoraSpec.model_validate(v) for v in value] if isinstance(value, list) else \
-                LoraSpec.model_validate(value)
+            try:
+                raw = [LoraSpec.model_validate(v) for v in value] if isinstance(value, list) else \
+                    LoraSpec.model_validate(value)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(["extra_body", "lora", *(str(p) for p in err.get("loc", ()))])
+                raise InvalidParameter(f"{where}: {err.get('msg')} (an adapter object "
+                                       '{"name", "path", "scale"} or a list of them)', param="extra_body.lora") \
+                    from None
         if raw is None:
             return None
         return [s.as_request() for s in (raw if isinstance(raw, list) else [raw])]
@@ -109,13 +136,13 @@ class GenerationRequest(_Body):
         return {"width": w, "height": h}
 
 
-class LoadAdapterRequest(BaseModel):
+class LoadAdapterRequest(_Text):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadAdapterRequest(BaseModel):
+class UnloadAdapterRequest(_Text):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None

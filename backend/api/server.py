@@ -5,8 +5,52 @@ import socket
 import threading
 import time
 
+CLIENT_TIMEOUT_S = 60.0
 
-def serve(app, host: str = "127.0.0.1", port: int = 7860, log_level: str = "info", on_exit=()) -> None:
+
+def slow_client_protocol(timeout_s: float = CLIENT_TIMEOUT_S):
+    """uvicorn's HTTP protocol, but a client gets ``timeout_s`` to send a request's headers (on a new
+    connection, or after a keep-alive pause); one that trickles them in (slowloris) is disconnected.
+    uvicorn itself only times out idle keep-alive connections. The body's own bound is BodyLimit's."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class SlowClientTimeout(AutoHTTPProtocol):
+        _header_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()  # the first bytes of the next request on a kept-alive connection
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # the headers are in: the request is the app's now
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout_s, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return SlowClientTimeout
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 7860, log_level: str = "info", on_exit=(),
+          client_timeout: float = CLIENT_TIMEOUT_S) -> None:
     """Serve in the foreground until SIGINT/SIGTERM, then return (so callers' cleanup runs).
 
     ``on_exit``: callables run on the server's event loop as soon as the signal arrives, to end
@@ -36,7 +80,8 @@ def serve(app, host: str = "127.0.0.1", port: int = 7860, log_level: str = "info
     previous = signal.signal(signal.SIGTERM, _stop) if threading.current_thread() is threading.main_thread() \
         else None
     try:
-        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
+        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                              http=slow_client_protocol(client_timeout))).run()
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise

@@ -13,6 +13,7 @@ so nothing is ever moved in front of one.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import threading
@@ -72,6 +73,16 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
 """
+# PRAGMA user_version of the store this code writes; 0 is a store from before versioning (same table)
+SCHEMA_VERSION = 1
+JSON_COLUMNS = ("params", "adapters", "result", "error_detail")
+
+
+class StoreError(StudioError):
+    """The job store cannot be used as it is (corrupt, or written by a newer LoRA Studio)."""
+
+    http_status = 500
+    kind = "server_error"
 
 
 class JobQueue:
@@ -83,15 +94,12 @@ class JobQueue:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_queue, self.max_overtake = max_queue, max_overtake
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # FULL: an accepted job survives a power cut, not only a process crash
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        self._db = _open(self.path)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._interrupted = False
+        # waits from an event loop (HTTP handlers): job id -> {(loop, asyncio.Event)}, set when it ends
+        self._async_waiters: dict[str, set] = {}
 
     def interrupt(self) -> None:
         """The server is shutting down: every ``wait`` ends now with ShuttingDown, so request
@@ -99,6 +107,18 @@ class JobQueue:
         with self._changed:
             self._interrupted = True
             self._changed.notify_all()
+        self._wake_async(None)
+
+    def _wake_async(self, job_id: str | None) -> None:
+        """Wake the event-loop waits on ``job_id`` (None: every one), from any thread."""
+        with self._lock:
+            entries = [e for k, group in self._async_waiters.items() if job_id is None or k == job_id
+                       for e in group]
+        for loop, event in entries:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that loop is closed: its wait is gone too
+                pass
 
     def close(self) -> None:
         with self._lock:
@@ -126,7 +146,15 @@ class JobQueue:
         return self.get(job_id)
 
     def claim(self, current_group: str | None) -> dict | None:
-        """Mark the next job running (see the module docstring for the order) and return it."""
+        """Mark the next job running (see the module docstring for the order) and return it.
+        A row that cannot be read (invalid JSON) is marked failed on the way and skipped."""
+        for _ in range(10_000):
+            job = self._claim_one(current_group)
+            if job is None or job["status"] == "running":
+                return job
+        return None
+
+    def _claim_one(self, current_group: str | None) -> dict | None:
         with self._tx() as db:
             rows = db.execute("SELECT seq, id, kind, grp, overtaken FROM jobs WHERE status='queued' "
                               "ORDER BY seq").fetchall()
@@ -164,6 +192,7 @@ class JobQueue:
                        "WHERE id=? AND status='running'",
                        (status, time.time(), json.dumps(result) if result is not None else None, error,
                         json.dumps(error_detail) if error_detail else None, job_id))
+        self._wake_async(job_id)
         return self.get(job_id)
 
     def cancel(self, job_id: str) -> tuple[dict, bool]:
@@ -175,6 +204,7 @@ class JobQueue:
                            (time.time(), "cancelled while queued", job_id))
             elif row["status"] == "running":
                 db.execute("UPDATE jobs SET cancel_requested=1 WHERE id=?", (job_id,))
+        self._wake_async(job_id)
         job = self.get(job_id)
         return job, job["status"] == "running"
 
@@ -184,7 +214,11 @@ class JobQueue:
         return bool(row and row[0])
 
     def recover(self) -> dict:
-        """After a server restart: jobs left 'running' are re-queued once, then failed."""
+        """After a server restart: jobs left 'running' are re-queued once, then failed. Unfinished
+        rows that cannot be read (invalid JSON) are marked failed with the reason (counted in "failed")."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM jobs WHERE status IN ('queued', 'running')").fetchall()
+            bad = sum(1 for row in rows if self._to_dict(row)["status"] == "failed")
         with self._tx() as db:
             rows = db.execute("SELECT id, requeues FROM jobs WHERE status='running'").fetchall()
             requeued = failed = 0
@@ -198,7 +232,7 @@ class JobQueue:
                                (time.time(), "interrupted by a server restart twice; not retried again",
                                 row["id"]))
                     failed += 1
-        return {"requeued": requeued, "failed": failed}
+        return {"requeued": requeued, "failed": failed + bad}
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, job_id: str) -> dict:
@@ -252,6 +286,40 @@ class JobQueue:
                     return job
                 self._changed.wait(timeout=0.5 if left is None else min(left, 0.5))
 
+    async def wait_async(self, job_id: str, timeout: float | None = None) -> dict:
+        """``wait`` for an event loop: holds no thread while the job runs (an HTTP server has a few
+        dozen), only for the short read of the row each time it may have ended."""
+        from starlette.concurrency import run_in_threadpool
+
+        loop = asyncio.get_running_loop()
+        entry = (loop, asyncio.Event())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._async_waiters.setdefault(job_id, set()).add(entry)
+        try:
+            while True:
+                entry[1].clear()
+                job = await run_in_threadpool(self.get, job_id)
+                if job["status"] in FINISHED:
+                    return job
+                if self._interrupted:
+                    raise ShuttingDown(f"the server is shutting down; job {job_id} is kept in the queue and runs "
+                                       "when the server starts again", param="job_id")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return job
+                try:  # woken when the job ends; the timeout only re-checks (e.g. a row changed elsewhere)
+                    await asyncio.wait_for(entry[1].wait(), 5.0 if left is None else min(left, 5.0))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            with self._lock:
+                group = self._async_waiters.get(job_id)
+                if group is not None:
+                    group.discard(entry)
+                    if not group:
+                        del self._async_waiters[job_id]
+
     # -- helpers ---------------------------------------------------------------------------------
     @staticmethod
     def _row(db, job_id: str):
@@ -261,18 +329,36 @@ class JobQueue:
         return row
 
     def _to_dict(self, row) -> dict:
+        decoded, bad = {}, []
+        for column in JSON_COLUMNS:
+            try:
+                decoded[column] = json.loads(row[column]) if row[column] else None
+            except (TypeError, ValueError) as exc:
+                decoded[column] = None
+                bad.append(f"{column} ({exc})")
+        status, error, finished_at = row["status"], row["error"], row["finished_at"]
+        if bad:  # a damaged row: failed with the reason, never left queued or running for ever
+            reason = f"the stored {', '.join(bad)} of this job in {self.path.name} is not valid JSON"
+            if status not in FINISHED:
+                status, error, finished_at = "failed", reason, time.time()
+                self._db.execute("UPDATE jobs SET status='failed', finished_at=?, error=?, error_detail=NULL "
+                                 "WHERE seq=? AND status IN ('queued', 'running')", (finished_at, error, row["seq"]))
+                self._changed.notify_all()
+                self._wake_async(row["id"])
+            else:
+                error = error or reason
         position = None
-        if row["status"] == "queued":
+        if status == "queued":
             position = self._db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued' AND seq <= ?",
                                         (row["seq"],)).fetchone()[0]
         return {
-            "id": row["id"], "kind": row["kind"], "status": row["status"],
+            "id": row["id"], "kind": row["kind"], "status": status,
             "progress": {"step": row["step"], "total": row["total"]}, "queue_position": position,
-            "model": row["model"], "params": json.loads(row["params"]), "adapters": json.loads(row["adapters"]),
+            "model": row["model"], "params": decoded["params"] if isinstance(decoded["params"], dict) else {},
+            "adapters": decoded["adapters"] if isinstance(decoded["adapters"], list) else [],
             "preset": row["preset"], "created_at": row["created_at"], "started_at": row["started_at"],
-            "finished_at": row["finished_at"], "result": json.loads(row["result"]) if row["result"] else None,
-            "error": row["error"], "error_detail": json.loads(row["error_detail"]) if row["error_detail"] else None,
-            "overtaken": row["overtaken"], "requeues": row["requeues"],
+            "finished_at": finished_at, "result": decoded["result"], "error": error,
+            "error_detail": decoded["error_detail"], "overtaken": row["overtaken"], "requeues": row["requeues"],
         }
 
 
@@ -295,6 +381,39 @@ class _Tx:
         finally:
             self.q._lock.release()
         return False
+
+
+def _open(path: Path) -> sqlite3.Connection:
+    """Open (or create) the store; a damaged or newer one stops here with one line naming the file."""
+    aside = (f"move it aside (`mv {path} {path}.bad`, with any {path.name}-wal and {path.name}-shm beside it) "
+             "and start again: a new, empty queue is created and the old file stays for you to inspect")
+    db = None
+    try:
+        db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+        db.row_factory = sqlite3.Row
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version not in range(SCHEMA_VERSION + 1):
+            raise StoreError(f"the job store {path} has schema version {version}, which this LoRA Studio does not "
+                             f"know (it reads versions up to {SCHEMA_VERSION}): run the LoRA Studio that wrote it, "
+                             f"or {aside}", param="data_dir")
+        db.execute("PRAGMA journal_mode=WAL")
+        # FULL: an accepted job survives a power cut, not only a process crash
+        db.execute("PRAGMA synchronous=FULL")
+        check = db.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise StoreError(f"the job store {path} is damaged (SQLite: {check}); {aside}", param="data_dir")
+        db.executescript(SCHEMA)
+        if version < SCHEMA_VERSION:
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        return db
+    except sqlite3.DatabaseError as exc:
+        if db is not None:
+            db.close()
+        raise StoreError(f"the job store {path} is not a usable SQLite database ({exc}); {aside}",
+                         param="data_dir") from None
+    except StoreError:
+        db.close()
+        raise
 
 
 def _switches(groups: list[str]) -> int:

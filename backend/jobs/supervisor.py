@@ -23,6 +23,9 @@ from .queue import BARRIER_KINDS, JobQueue, group_key
 log = logging.getLogger("lora_studio.jobs")
 
 RESTART_BACKOFF_S = (0.2, 1.0, 2.0, 5.0, 10.0)
+# --job-timeout: a job is stopped at its next step; one that does not stop this much later (a step
+# or a model load that never ends) has its worker killed, and the worker is restarted
+TIMEOUT_KILL_GRACE_S = 60.0
 
 
 class WorkerStartError(StudioError):
@@ -30,8 +33,11 @@ class WorkerStartError(StudioError):
 
 
 class Supervisor:
-    def __init__(self, queue: JobQueue, config: worker_mod.WorkerConfig):
+    def __init__(self, queue: JobQueue, config: worker_mod.WorkerConfig, *, job_timeout: float = 0.0):
         self.queue, self.config = queue, config
+        self.job_timeout = float(job_timeout or 0.0)  # seconds a job may run; 0: no limit
+        self._job_started = 0.0  # monotonic time the current job was sent
+        self._timed_out: str | None = None  # the job stopped for running past job_timeout
         self._start_config = config
         self._ctx = mp.get_context("spawn")
         self._cancel = self._ctx.Event()
@@ -144,6 +150,25 @@ class Supervisor:
                     self._on_message(self.conn.recv())
             except (EOFError, OSError):
                 pass  # the sentinel reports the death on the next tick
+        self._enforce_timeout()
+
+    def _enforce_timeout(self) -> None:
+        job = self.current
+        if job is None or not self.job_timeout:
+            return
+        ran = time.monotonic() - self._job_started
+        if ran > self.job_timeout and self._timed_out != job["id"]:
+            log.warning("job %s ran %.0f s, over --job-timeout %g s: stopping it", job["id"], ran, self.job_timeout)
+            self._timed_out = job["id"]
+            self._cancel.set()
+        elif ran > self.job_timeout + TIMEOUT_KILL_GRACE_S and self._timed_out == job["id"] and self.proc.is_alive():
+            log.warning("job %s did not stop within %.0f s of its timeout: killing the worker", job["id"],
+                        TIMEOUT_KILL_GRACE_S)
+            self.proc.kill()  # the sentinel reports it; _on_death fails the job with the timeout reason
+
+    def _timeout_reason(self) -> str:
+        return (f"stopped after running {time.monotonic() - self._job_started:.0f} s, over this server's "
+                f"--job-timeout of {self.job_timeout:g} s")
 
     def _dispatch(self) -> None:
         with self._lock:
@@ -155,6 +180,7 @@ class Supervisor:
             return
         self._cancel.clear()
         self.current = job
+        self._job_started, self._timed_out = time.monotonic(), None
         self.conn.send({"op": "job", "job": job})
         if self.queue.cancel_requested(job["id"]):  # cancelled between claim and send
             self._cancel.set()
@@ -178,6 +204,9 @@ class Supervisor:
             elif kind == "failed":
                 detail = dict(msg[2])
                 self.queue.finish(job_id, "failed", error=detail.pop("message"), error_detail=detail)
+            elif self._timed_out == job_id and not self.queue.cancel_requested(job_id):
+                self.queue.finish(job_id, "failed", error=self._timeout_reason(),
+                                  error_detail={"status": 504, "type": "timeout", "param": "job_timeout"})
             else:
                 self.queue.finish(job_id, "cancelled", error="cancelled while running")
             job = self.current
@@ -199,6 +228,11 @@ class Supervisor:
         reason = _exit_reason(code)
         self.deaths.append({"at": time.time(), "exitcode": code, "reason": reason,
                             "job": self.current["id"] if self.current else None})
+        if self.current is not None and self._timed_out == self.current["id"]:
+            self.queue.finish(self.current["id"], "failed",
+                              error=f"{self._timeout_reason()}; it did not stop, so the worker was restarted",
+                              error_detail={"status": 504, "type": "timeout", "param": "job_timeout"})
+            self.current = None
         if self.current is not None:
             self.queue.finish(self.current["id"], "failed",
                               error=f"the worker process died ({reason}) while running this job; "

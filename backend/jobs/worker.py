@@ -136,6 +136,14 @@ class _Worker:
             detail = {"message": exc.message, "status": exc.http_status, "type": exc.kind, "param": exc.param}
             self.conn.send(("failed", job_id, detail, self.info()))
         except Exception as exc:  # a bug or a library error: the job fails, the worker lives on
+            from backend.errors import storage_full
+
+            if storage_full(exc):  # a full disk is the operator's to fix, not a bug: 507, no traceback
+                detail = {"message": f"no room to write the output under {self.config.data_dir or 'the data dir'}"
+                                     f" ({exc.strerror})", "status": 507, "type": "insufficient_storage",
+                          "param": None}
+                self.conn.send(("failed", job_id, detail, self.info()))
+                return
             traceback.print_exc(file=sys.stderr)
             text = str(exc).strip().splitlines()
             message = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
