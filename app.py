@@ -162,6 +162,12 @@ def cmd_generate(args) -> int:
 
     if args.output:  # before the model loads, so a bad extension costs nothing
         check_suffix(args.output)
+    from backend.jobs.adapters import AdapterResolver
+    from backend.lora import prompt_tags
+
+    prompt, tags = prompt_tags.split(args.prompt)  # <lora:NAME:WEIGHT>, as in the UI and the HTTP API
+    resolver = AdapterResolver(args.adapter_dir, args.data_dir)
+    tagged = [(a, resolver.by_name(a["name"])) for a in tags]  # unknown names refused before loading
 
     omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
                 lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
@@ -177,6 +183,16 @@ def cmd_generate(args) -> int:
     if args.lora_backend == "peft" and args.lora_path and omni.lora is not None:  # one-shot CLI: pre-loaded ones
         fields["lora_request"] = list(omni.lora.preloaded)
         fields["lora_scale"] = [args.lora_scale] * len(omni.lora.preloaded)
+    if tagged:  # <lora:NAME:WEIGHT> in the prompt: adapters from the library, by name
+        if omni.lora is None:
+            from backend.errors import InvalidParameter
+
+            raise InvalidParameter("prompt: <lora:...> tags need --lora-backend peft", param="prompt")
+        from backend.lora.request import LoRARequest
+
+        for a, path in tagged:
+            fields.setdefault("lora_request", []).append(LoRARequest(a["name"], resolver.int_id(path), str(path)))
+            fields.setdefault("lora_scale", []).append(a["scale"])
     bars = []
 
     def on_step(step, total):
@@ -185,7 +201,7 @@ def cmd_generate(args) -> int:
         bars[0].update(step - bars[0].n)
 
     try:
-        output = omni.generate(prompt=args.prompt, on_step=on_step, **fields)[0]
+        output = omni.generate(prompt=prompt, on_step=on_step, **fields)[0]
     finally:
         for bar in bars:
             bar.close()

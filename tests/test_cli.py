@@ -128,3 +128,25 @@ def test_generate_help_documents_every_flag():
     bare = [b.split()[0] for b in blocks[1:] if len(b.split()) < 3]  # a flag, its metavar and nothing else
     assert not bare, f"flags without help: {bare}"
     assert "(default: 42)" in proc.stdout and "(default: demo:qwen-image)" in proc.stdout
+
+
+def test_lora_tag_in_the_prompt_equals_lora_path(data_dir, demo_path, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from ui_fixtures import make_lora
+
+    lora = make_lora(demo_path("demo:qwen-image"), data_dir / "adapters" / "cli-tag.safetensors", seed=3)
+    common = ["--model", "demo:qwen-image", "--seed", "3", "--num-inference-steps", "2"]
+    tagged, flagged = tmp_path / "tagged.png", tmp_path / "flagged.png"
+    proc = run("generate", *common, "--prompt", "a cat <lora:cli-tag:0.7>", "--output", str(tagged),
+               data_dir=data_dir)
+    assert proc.returncode == 0, proc.stderr
+    proc = run("generate", *common, "--prompt", "a cat", "--lora-path", str(lora), "--lora-scale", "0.7",
+               "--output", str(flagged), data_dir=data_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert read_png_metadata(tagged)["params"]["prompt"] == "a cat"
+    assert np.array_equal(np.asarray(Image.open(tagged)), np.asarray(Image.open(flagged)))
+
+    proc = run("generate", "--prompt", "a cat <lora:no-such-adapter>", data_dir=data_dir)
+    assert proc.returncode == 2 and "no adapter named 'no-such-adapter'" in proc.stderr.strip().splitlines()[-1]
