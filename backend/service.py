@@ -193,6 +193,10 @@ class Studio:
     def current_model(self) -> str:
         return (self.supervisor.info or {}).get("model") or self.model
 
+    def seconds_per_step(self) -> float | None:
+        """The worker's recent pace (what an ETA is computed from before a job's first step)."""
+        return (self.supervisor.info or {}).get("seconds_per_step")
+
     def current_preset(self) -> str | None:
         info = self.supervisor.info or {}
         return info.get("preset") if "preset" in info else self.preset

@@ -540,8 +540,7 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
             while len(jobs) > MAX_WATCH and finished:
                 jobs.remove(finished.pop(0))
             watch["ids"] = [str(j["id"]) for j in jobs]
-            spp = (studio.system() or {}).get("seconds_per_step") if any(
-                j.get("status") == "running" for j in jobs) else None
+            spp = studio.seconds_per_step() if any(j.get("status") == "running" for j in jobs) else None
             html = views.jobs_html(jobs, seconds_per_step=spp)
             if html != watch.get("html"):
                 watch["html"] = out["jobs"] = html
