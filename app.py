@@ -25,6 +25,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}\n")
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """Each flag's help ends with its default, when it has one the help does not already name."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, argparse.SUPPRESS, False, []) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="where models, adapters, outputs and the job queue live "
                                       "(default: $LORA_STUDIO_HOME or ~/.cache/lora-studio)")
@@ -36,7 +46,7 @@ def _lora(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-backend", choices=("peft", "distill"), default="peft",
                    help="peft: adapters per request; distill: fuse --lora-path into the base at start")
     p.add_argument("--lora-path", nargs="+", metavar="P", help="adapter file(s) or PEFT folder(s)")
-    p.add_argument("--lora-scale", type=float, default=1.0, metavar="S")
+    p.add_argument("--lora-scale", type=float, default=1.0, metavar="S", help="the weight of the --lora-path adapters")
     p.add_argument("--preset", metavar="ID", help="a distill preset from presets/ (see `app.py presets`)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
@@ -89,31 +99,43 @@ def build_parser() -> argparse.ArgumentParser:
     _lora(serve)
     _common(serve)
 
-    gen = sub.add_parser("generate", help="generate one image or video")
-    gen.add_argument("--model", default=DEFAULT_MODEL)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--negative-prompt")
-    gen.add_argument("--image", help="input image (image-to-video)")
-    gen.add_argument("--num-frames", type=int)
-    gen.add_argument("--num-inference-steps", type=int)
-    gen.add_argument("--height", type=int)
-    gen.add_argument("--width", type=int)
-    gen.add_argument("--fps", type=int)
-    gen.add_argument("--flow-shift", type=float)
-    gen.add_argument("--sample-solver", choices=("euler", "unipc"))
-    gen.add_argument("--guidance-scale", type=float)
+    gen = sub.add_parser("generate", help="generate one image or video",
+                         description="Generate one image or video on this machine (no server). Flags left "
+                                     "unset use the model's defaults (a preset's, with --preset).",
+                         formatter_class=DefaultsHelp)
+    unset = "the model's default"
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="a demo id, a local diffusers directory or a "
+                     "Hugging Face repo id in the local cache")
+    gen.add_argument("--prompt", required=True, help="what to generate (required)")
+    gen.add_argument("--negative-prompt", default=None, help="what to steer away from (Qwen: needs "
+                     "--true-cfg-scale > 1)")
+    gen.add_argument("--image", help="input image (image-to-video: the first frame)")
+    gen.add_argument("--num-frames", type=int, metavar="N", help=f"video frames, Wan: 4k+1 (default: {unset})")
+    gen.add_argument("--num-inference-steps", type=int, metavar="N",
+                     help=f"denoising steps (default: {unset})")
+    gen.add_argument("--height", type=int, metavar="PX", help=f"a multiple of 16 (default: {unset}; "
+                     f"image-to-video: from the input image's aspect ratio)")
+    gen.add_argument("--width", type=int, metavar="PX", help=f"a multiple of 16 (default: {unset}; "
+                     f"image-to-video: from the input image's aspect ratio)")
+    gen.add_argument("--fps", type=int, help=f"video frame rate (default: {unset})")
+    gen.add_argument("--flow-shift", type=float, help=f"the flow-matching schedule's shift (default: {unset})")
+    gen.add_argument("--sample-solver", choices=("euler", "unipc"), help=f"the sampler (default: {unset})")
+    gen.add_argument("--guidance-scale", type=float, help=f"classifier-free guidance (default: {unset})")
     gen.add_argument("--guidance-scale-high", type=float,
-                     help="Wan2.2: the second guidance scale (diffusers' guidance_scale_2), as in vLLM-Omni")
-    gen.add_argument("--boundary-ratio", type=float)
-    gen.add_argument("--true-cfg-scale", type=float)
+                     help="Wan2.2: the second guidance scale (diffusers' guidance_scale_2), as in vLLM-Omni "
+                          f"(default: {unset})")
+    gen.add_argument("--boundary-ratio", type=float, help="Wan2.2: steps with t >= ratio x 1000 run on the "
+                     f"high-noise transformer (default: {unset})")
+    gen.add_argument("--true-cfg-scale", type=float, help=f"Qwen-Image: true CFG (default: {unset})")
     gen.add_argument("--task-type", choices=("t2va", "fl2va", "ref2va"),
                      help="MiniMax-H3 workflow: text, first/last frame, or references to video+audio")
     gen.add_argument("--last-image", help="MiniMax-H3 fl2va: the frame the video ends on (--image: starts on)")
     gen.add_argument("--reference", action="append", metavar="PATH",
                      help="MiniMax-H3 ref2va: a reference image (repeat for several)")
     gen.add_argument("--audio-flow-shift", type=float, help="MiniMax-H3: the audio schedule's shift")
-    gen.add_argument("--seed", type=int, default=42)
-    gen.add_argument("--output", help="output path (.png or .mp4); default: <data-dir>/outputs/")
+    gen.add_argument("--seed", type=int, default=42, help="-1 picks a random one (the one used is in the metadata)")
+    gen.add_argument("--output", help="output path: .png, .jpg/.jpeg or .webp (metadata in EXIF) for images, "
+                     ".mp4 for videos (default: <data-dir>/outputs/)")
     _lora(gen)
     _common(gen)
 
@@ -153,11 +175,24 @@ def cmd_generate(args) -> int:
     from tqdm import tqdm
 
     from backend import Omni
+    from backend.outputs import check_suffix
+
+    if args.output:  # before the model loads, so a bad extension costs nothing
+        check_suffix(args.output)
+    from backend.jobs.adapters import AdapterResolver
+    from backend.lora import prompt_tags
+
+    prompt, tags = prompt_tags.split(args.prompt)  # <lora:NAME:WEIGHT>, as in the UI and the HTTP API
+    resolver = AdapterResolver(args.adapter_dir, args.data_dir)
+    tagged = [(a, resolver.by_name(a["name"])) for a in tags]  # unknown names refused before loading
 
     omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
                 lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
                 data_dir=args.data_dir, adapter_dirs=args.adapter_dir, offload=args.offload,
                 offload_stream=args.offload_stream)
+    spec = getattr(omni.manager, "spec", None)
+    if args.output and spec is not None:  # an image model cannot write .mp4, nor a video model .png
+        check_suffix(args.output, video=str(spec.output).startswith("video"))
     if args.preset:
         omni.apply_preset(args.preset)  # fuses its files; its sampling defaults fill unset flags
     fields = {field: getattr(args, flag) for flag, field in GENERATION_FLAGS.items()
@@ -165,6 +200,16 @@ def cmd_generate(args) -> int:
     if args.lora_backend == "peft" and args.lora_path and omni.lora is not None:  # one-shot CLI: pre-loaded ones
         fields["lora_request"] = list(omni.lora.preloaded)
         fields["lora_scale"] = [args.lora_scale] * len(omni.lora.preloaded)
+    if tagged:  # <lora:NAME:WEIGHT> in the prompt: adapters from the library, by name
+        if omni.lora is None:
+            from backend.errors import InvalidParameter
+
+            raise InvalidParameter("prompt: <lora:...> tags need --lora-backend peft", param="prompt")
+        from backend.lora.request import LoRARequest
+
+        for a, path in tagged:
+            fields.setdefault("lora_request", []).append(LoRARequest(a["name"], resolver.int_id(path), str(path)))
+            fields.setdefault("lora_scale", []).append(a["scale"])
     bars = []
 
     def on_step(step, total):
@@ -173,7 +218,7 @@ def cmd_generate(args) -> int:
         bars[0].update(step - bars[0].n)
 
     try:
-        output = omni.generate(prompt=args.prompt, on_step=on_step, **fields)[0]
+        output = omni.generate(prompt=prompt, on_step=on_step, **fields)[0]
     finally:
         for bar in bars:
             bar.close()

@@ -1,5 +1,6 @@
-"""Writing results: PNG (parameters in a text chunk) or MP4 (H.264), each with a JSON
-sidecar, written atomically so a crash never leaves a half-written output.
+"""Writing results: PNG (parameters in a text chunk), JPEG or WebP (parameters in EXIF
+ImageDescription and UserComment) or MP4 (H.264), each with a JSON sidecar, written
+atomically so a crash never leaves a half-written output.
 """
 from __future__ import annotations
 
@@ -14,6 +15,22 @@ import numpy as np
 from . import settings
 
 PNG_KEY = "lora_studio"  # the PNG text chunk holding the metadata JSON
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_SUFFIXES = (".mp4",)
+SUFFIXES = IMAGE_SUFFIXES + VIDEO_SUFFIXES
+EXIF_DESCRIPTION, EXIF_IFD, EXIF_USER_COMMENT = 0x010E, 0x8769, 0x9286
+
+
+def check_suffix(path, *, video: bool | None = None) -> None:
+    """Refuse an output path whose extension cannot hold the result (before any rendering)."""
+    from .errors import InvalidParameter
+
+    suffix = Path(path).suffix.lower()
+    allowed = SUFFIXES if video is None else (VIDEO_SUFFIXES if video else IMAGE_SUFFIXES)
+    if suffix not in allowed:
+        what = "" if video is None else (" for this video model" if video else " for this image model")
+        raise InvalidParameter(f"--output {path}: the extension must be one of {', '.join(allowed)}{what}",
+                               param="output")
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -40,14 +57,15 @@ def default_path(metadata: dict, suffix: str, data_dir=None) -> Path:
 def save_result(result, data_dir=None, path: str | os.PathLike | None = None) -> Path:
     """Save a GenerationResult; returns the media path (the sidecar sits beside it)."""
     is_video = result.frames is not None
-    suffix = ".mp4" if is_video else ".png"
-    target = Path(path) if path is not None else default_path(result.metadata, suffix, data_dir)
-    if target.suffix.lower() != suffix:
-        raise ValueError(f"output {target} must end in {suffix} for this model")
+    target = Path(path) if path is not None else default_path(result.metadata, ".mp4" if is_video else ".png",
+                                                              data_dir)
+    check_suffix(target, video=is_video)
     if is_video:
         _atomic_write(target, lambda tmp: write_mp4(tmp, result.frames, result.fps or 16, result.audio))
-    else:
+    elif target.suffix.lower() == ".png":
         _atomic_write(target, lambda tmp: write_png(tmp, result.images[0], result.metadata))
+    else:
+        _atomic_write(target, lambda tmp: write_exif_image(tmp, result.images[0], result.metadata, target.suffix))
     sidecar = target.with_suffix(target.suffix + ".json")
     _atomic_write(sidecar, lambda tmp: Path(tmp).write_text(json.dumps(result.metadata, indent=2, default=str)))
     return target
@@ -61,13 +79,39 @@ def write_png(path, image, metadata: dict) -> None:
     image.save(path, format="PNG", pnginfo=info)
 
 
+def write_exif_image(path, image, metadata: dict, suffix: str) -> None:
+    """JPEG (quality 95) or lossless WebP with the metadata JSON in EXIF ImageDescription and UserComment."""
+    from PIL import Image
+
+    text = json.dumps(metadata, default=str)  # ASCII (json escapes the rest), as EXIF wants
+    exif = Image.Exif()
+    exif[EXIF_DESCRIPTION] = text
+    exif.get_ifd(EXIF_IFD)[EXIF_USER_COMMENT] = b"ASCII\0\0\0" + text.encode("ascii")
+    fmt = "WEBP" if suffix.lower() == ".webp" else "JPEG"
+    opts = {"lossless": True} if fmt == "WEBP" else {"quality": 95}
+    image.convert("RGB").save(path, format=fmt, exif=exif.tobytes(), **opts)
+
+
 def read_png_metadata(path) -> dict | None:
-    """The metadata a PNG made here carries, or None for any other PNG."""
+    """The metadata an image made here carries (PNG text chunk, or EXIF in a JPEG/WebP), or None."""
     from PIL import Image
 
     with Image.open(path) as img:
         text = img.info.get(PNG_KEY)
-    return json.loads(text) if text else None
+        if not text:
+            exif = img.getexif()
+            text = exif.get(EXIF_DESCRIPTION)
+            if not text:
+                comment = exif.get_ifd(EXIF_IFD).get(EXIF_USER_COMMENT)
+                if isinstance(comment, bytes):
+                    text = comment[8:].decode("ascii", "replace")
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError):
+        return None  # someone else's description
+    return data if isinstance(data, dict) else None
 
 
 # Muxes an audio track into an MP4; set by the MiniMax-H3 module (video + audio).

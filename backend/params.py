@@ -28,7 +28,7 @@ def _positive(v) -> bool:
 FIELDS: dict[str, Field] = {
     "prompt": Field(str, lambda v: v.strip() != "", "a non-empty string"),
     "negative_prompt": Field((str, type(None))),
-    "seed": Field(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2^63)"),
+    "seed": Field(int, lambda v: -1 <= v < 2**63, "an integer in [0, 2^63), or -1 for a random one"),
     "height": Field(int, _positive, "a positive integer"),
     "width": Field(int, _positive, "a positive integer"),
     "num_inference_steps": Field(int, lambda v: 1 <= v <= 1000, "an integer in [1, 1000]"),
@@ -73,11 +73,12 @@ def validate(spec: PipelineSpec, request: dict, defaults: dict | None = None) ->
     params.update({k: v for k, v in request.items() if v is not None})
     for name, value in list(params.items()):
         params[name] = _check(name, value)
+    _size_from_image(spec, params, request)
     for name in sorted(spec.required):
         if params.get(name) is None:
             raise InvalidParameter(f"{name!r} is required for {spec.class_name}", param=name)
     _check_shape(spec, params)
-    if params.get("seed") is None:
+    if params.get("seed") in (None, -1):  # -1: random, as in A1111 (the seed used is in the metadata)
         params["seed"] = random.randrange(2**31)
     return params
 
@@ -99,6 +100,32 @@ def _check(name: str, value):
     if field.check is not None and value is not None and not field.check(value):
         raise InvalidParameter(f"{name!r} must be {field.rule}, got {value!r}", param=name)
     return value
+
+
+def _size_from_image(spec: PipelineSpec, params: dict, request: dict) -> None:
+    """Image-to-video: height and width the request left unset follow the input image's aspect
+    ratio, keeping the default's pixel count and the model's size multiple."""
+    import math
+
+    from PIL import Image
+
+    image = params.get("image")
+    if not isinstance(image, Image.Image) or not str(getattr(spec, "output", "")).startswith("video"):
+        return
+    if not {"height", "width"} <= set(spec.fields):
+        return
+    given = {k for k in ("height", "width") if request.get(k) is not None}
+    if given == {"height", "width"} or not params.get("height") or not params.get("width"):
+        return
+    m, aspect = spec.size_multiple, image.width / image.height
+    snap = lambda v: max(m, int(round(v / m)) * m)  # noqa: E731
+    if given == {"height"}:
+        params["width"] = snap(params["height"] * aspect)
+    elif given == {"width"}:
+        params["height"] = snap(params["width"] / aspect)
+    else:
+        area = params["height"] * params["width"]
+        params["height"], params["width"] = snap(math.sqrt(area / aspect)), snap(math.sqrt(area * aspect))
 
 
 def _check_shape(spec: PipelineSpec, params: dict) -> None:

@@ -124,6 +124,14 @@ class Studio:
             raise InvalidParameter(
                 "this server runs --lora-backend distill: its LoRA is fused into the base at start, so "
                 "per-request 'lora' is refused; start a peft server for per-request adapters", param="lora")
+        if isinstance(params.get("prompt"), str) and "<lora:" in params["prompt"].lower():
+            from .lora import prompt_tags  # <lora:NAME:WEIGHT> (A1111): into the stack, out of the text
+
+            text, tagged = prompt_tags.split(params["prompt"])
+            for a in tagged:  # unknown names refused by name, before anything is queued
+                self.resolver.by_name(a["name"])
+            params = {**params, "prompt": text}
+            adapters = prompt_tags.merge(adapters, tagged)
         if preset is not None and preset != self.current_preset():
             raise InvalidParameter(f"preset {preset!r} is not the one applied now "
                                    f"({self.current_preset() or 'none'}); apply it first", param="preset")
@@ -162,6 +170,35 @@ class Studio:
     def jobs(self, limit: int = 100, status: str | None = None) -> list[dict]:
         return self.queue.list(limit=limit, status=status)
 
+    def active_jobs(self, kinds: tuple[str, ...] | None = ("generate",)) -> list[dict]:
+        """Running and queued jobs (running first, then by queue position), optionally of some kinds:
+        what a page opened mid-job (a reload, a second tab, another device) re-attaches to."""
+        jobs = self.queue.list(limit=1000, status="running") + \
+            sorted(self.queue.list(limit=1000, status="queued"), key=lambda j: j.get("queue_position") or 0)
+        return [j for j in jobs if kinds is None or j.get("kind") in kinds]
+
+    def library_signature(self) -> str:
+        """A cheap fingerprint of the adapter library (names, sizes and times of the files in its roots,
+        the names registered by API): it changes when an adapter is imported, deleted or registered,
+        so a page can refresh its lists without reading every file."""
+        import hashlib
+
+        h = hashlib.sha1()
+        for root in self.resolver.roots:
+            try:
+                entries = sorted(root.iterdir())
+            except OSError:
+                continue
+            for p in entries:
+                try:
+                    st = p.stat()
+                except OSError:
+                    continue
+                h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        h.update(repr(sorted(self.resolver.registered().items())).encode())
+        h.update(str(self.current_model()).encode())
+        return h.hexdigest()
+
     def cancel(self, job_id: str) -> dict:
         job, running = self.queue.cancel(job_id)
         if running:
@@ -183,6 +220,10 @@ class Studio:
     # -- models ----------------------------------------------------------------------------------
     def current_model(self) -> str:
         return (self.supervisor.info or {}).get("model") or self.model
+
+    def seconds_per_step(self) -> float | None:
+        """The worker's recent pace (what an ETA is computed from before a job's first step)."""
+        return (self.supervisor.info or {}).get("seconds_per_step")
 
     def current_preset(self) -> str | None:
         info = self.supervisor.info or {}

@@ -62,5 +62,7 @@ def test_default_paths_live_under_the_data_dir(tmp_path):
 
 
 def test_wrong_suffix_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"must end in \.png"):
+    from backend.errors import InvalidParameter
+
+    with pytest.raises(InvalidParameter, match=r"must be one of \.png, \.jpg, \.jpeg, \.webp for this image model"):
         outputs.save_result(_image_result(), path=tmp_path / "a.mp4")

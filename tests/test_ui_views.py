@@ -131,3 +131,39 @@ def test_where_an_adapter_lives_comes_from_the_cache_tiers():
     assert where == {"a": "device", "b": "cpu"}
     rows = adapter_rows([{"name": n} for n in ("a", "b", "c")], where)
     assert [r[8] for r in rows] == ["device", "cpu", "disk"]
+
+
+def test_running_job_shows_elapsed_and_eta():
+    from ui import views
+
+    job = {"id": "j1", "status": "running", "progress": {"step": 5, "total": 20}, "started_at": 100.0,
+           "params": {"seed": 7}}
+    assert views.timing(job, now=110.0) == "10.0 s elapsed · ETA 30.0 s"
+    # before the first step the ETA comes from the worker's seconds per step
+    first = {**job, "progress": {"step": 0, "total": 20}}
+    assert views.timing(first, now=101.0, seconds_per_step=0.5) == "1.0 s elapsed · ETA 10.0 s"
+    done = {**job, "status": "succeeded", "finished_at": 172.5}
+    assert views.timing(done) == "took 1 min 12 s"
+    html = views.jobs_html([job, {"id": "j2", "status": "queued", "queue_position": 1, "progress": {}}], now=110.0)
+    assert 'data-title="[5/20] +1"' in html and "position 1 in the queue" in html and "seed 7" in html
+
+
+def test_queue_rows_carry_the_prompt():
+    from ui import views
+
+    row = views.job_rows([{"id": "j", "kind": "generate", "status": "failed", "params": {"prompt": "a cat"},
+                           "created_at": 0, "error": "boom"}])[0]
+    assert dict(zip(views.JOB_COLUMNS, row))["prompt"] == "a cat"
+    assert dict(zip(views.JOB_COLUMNS, row))["error"] == "boom"
+
+
+def test_grid_labels_cancelled_cells_apart_from_failed_ones():
+    import numpy as np
+    from PIL import Image
+
+    from ui.grid import compose
+
+    img = Image.new("RGB", (16, 16), "red")
+    cancelled = np.asarray(compose([[img, "cancelled"]], ["a", "b"], ["r"], "x", "y"))
+    failed = np.asarray(compose([[img, "failed"]], ["a", "b"], ["r"], "x", "y"))
+    assert cancelled.shape == failed.shape and not np.array_equal(cancelled, failed)

@@ -16,6 +16,11 @@ def default_name(paths: list[str]) -> str:
     return first.stem if len(paths) == 1 else first.parent.name
 
 
+# Delete asks the browser first; the answer travels in a hidden box beside the adapter's name
+CONFIRM_DELETE = ("(name, _) => [name, (!name || window.confirm(`Delete the adapter ${name} from the library? "
+                  "Its file is removed.`)) ? 'yes' : 'no']")
+
+
 def build(studio):
     with gr.Row():
         refresh = gr.Button("Refresh", scale=0, elem_id="adapters-refresh")
@@ -26,6 +31,7 @@ def build(studio):
     with gr.Row():
         with gr.Column(scale=2):
             selected = gr.Dropdown(label="Adapter", choices=[], elem_id="adapters-selected")
+            confirmed = gr.Textbox(value="yes", visible=False)
             with gr.Row():
                 pin = gr.Button("Pin", elem_id="adapters-pin")
                 unpin = gr.Button("Unpin", elem_id="adapters-unpin")
@@ -73,7 +79,9 @@ def build(studio):
     table.select(pick_row, None, selected, api_visibility="private")
 
     def act(verb):
-        def run(name):
+        def run(name, answer="yes"):
+            if answer == "no":  # the browser's confirmation was answered "Cancel"
+                return listing(ok_html(f"nothing deleted ({name} kept)"))
             if not name:
                 return listing(error_html("choose an adapter first"))
             try:
@@ -87,7 +95,8 @@ def build(studio):
         return run
 
     for btn, verb in ((pin, "pin"), (unpin, "unpin"), (delete, "delete")):
-        btn.click(act(verb), selected, outs, api_visibility="private")
+        btn.click(act(verb), [selected, confirmed] if verb == "delete" else selected, outs,
+                  api_visibility="private", js=CONFIRM_DELETE if verb == "delete" else None)
 
     def imp(paths, given):
         """Import, then clear the upload box (success or not) so the next upload starts fresh."""

@@ -28,6 +28,32 @@ CSS = """
 .ls-badge { background: var(--color-accent); color: white; border-radius: 4px; padding: 0 6px; font-size: .8em; }
 """
 
+# The page's own behaviour: progress in the title (from the jobs panel's data-title), Ctrl+Enter
+# generates and Esc cancels while the Generate tab is shown. Runs once, on page load.
+PAGE_JS = """
+() => {
+  const base = document.title || "LoRA Studio";
+  const sync = () => {
+    const jobs = document.querySelector("#gen-status .ls-jobs");
+    const t = jobs ? jobs.getAttribute("data-title") : "";
+    const want = t ? `${t} ${base}` : base;
+    if (document.title !== want) document.title = want;
+  };
+  new MutationObserver(sync).observe(document.body, {subtree: true, childList: true, attributes: true,
+                                                     attributeFilter: ["data-title"]});
+  document.addEventListener("keydown", (e) => {
+    const panel = document.querySelector("#tab-generate");
+    if (!panel || panel.offsetParent === null) return;
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) {
+      e.preventDefault();
+      document.querySelector("#generate-btn")?.click();
+    } else if (e.key === "Escape" && !document.querySelector("[role=listbox], .options")) {
+      document.querySelector("#cancel-btn")?.click();
+    }
+  });
+}
+"""
+
 TAB_IDS = ("generate", "compare", "adapters", "presets", "queue", "gallery", "system")
 
 
@@ -77,15 +103,14 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
             other.select(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
 
         def on_load():
-            return [*gen.load_models(), *generate.adapter_pick_updates(studio), gr.update(choices=preset_choices())]
+            # the server's state: loaded model, fused preset (badge and picker), the library
+            preset = studio.current_preset()
+            return [*gen.load_models(), *generate.adapter_pick_updates(studio),
+                    gr.update(choices=generate.preset_choices(studio), value=preset or generate.NO_PRESET),
+                    generate.badge_html(preset)]
 
-        def preset_choices():
-            try:
-                return [generate.NO_PRESET] + [p["id"] for p in studio.presets()]
-            except Exception:
-                return [generate.NO_PRESET]
-
-        blocks.load(on_load, None, [*gen.model_outputs, gen.pick, gen.unfit, gen.preset], api_visibility="private")
+        blocks.load(on_load, None, [*gen.model_outputs, gen.pick, gen.unfit, gen.preset, gen.badge],
+                    api_visibility="private", js=PAGE_JS)
     # Follow-events only poll the Studio's queue (which serializes the work), so they need no
     # Gradio-side limit; that is what lets the UI show the real queue position.
     blocks.queue(default_concurrency_limit=None, max_size=None)

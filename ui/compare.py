@@ -81,15 +81,21 @@ def build(studio, gen: GenerateTab) -> None:
             yield (f'<div class="ls-job" data-done="{done}" data-total="{len(jobs)}">'
                    f'{done}/{len(jobs)} cells finished · queued as one batch (jobs {ids[0]}…{ids[-1]})</div>'), None
         images = [[None] * len(layout[0][1]) for _ in layout]
-        failed = []
+        failed, cancelled = [], []
         for (r, c, _), job in zip(cells, jobs):
             if job.get("status") == "succeeded":
                 images[r][c] = first_frame(job["result"]["path"])
+            elif job.get("status") == "cancelled":
+                images[r][c] = "cancelled"
+                cancelled.append(str(job["id"]))
             else:
+                images[r][c] = "failed"
                 failed.append(f"job {job['id']}: {job.get('error') or job.get('status')}")
         grid = compose(images, [x for x, _, _ in layout[0][1]], [y for y, _ in layout],
                        "adapter weight", "adapter" if axis == "adapters" else "seed")
-        yield (error_html("; ".join(failed)) if failed else views.ok_html(f"{len(ids)} cells")), grid
+        done_note = f"{len(ids)} cells" + (f" ({len(cancelled)} cancelled: jobs {', '.join(cancelled)})"
+                                           if cancelled else "")
+        yield (error_html("; ".join(failed)) if failed else views.ok_html(done_note)), grid
 
     go.click(run, [scales, y_axis, adapters, seeds, gen.model, gen.prompt, gen.seed, *gen.field_outputs()],
              [status, out], api_visibility="private", concurrency_limit=None)

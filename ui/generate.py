@@ -1,9 +1,16 @@
 """The Generate tab: model picker, the fields the model has, a LoRA stack, a preset
-picker, and a job followed from the queue to the result.
+picker, and the server's jobs followed from the queue to the result.
 
 The LoRA stack is a fixed set of row slots over one ``gr.State`` list; rows are
 shown, filled and hidden from that list, which keeps every widget stable for the
-browser and for ``gr.Progress`` (dynamic re-rendering would rebuild them mid-job).
+browser (dynamic re-rendering would rebuild them mid-job).
+
+Jobs belong to the server, not to the page: Generate only queues them (one per click,
+``batch`` per click with seeds +1) and returns at once; a timer on the page polls the
+server for its active jobs and the ones this page queued, so a reload, a second tab or
+another device re-attaches to running and queued jobs, and closing the page cancels
+nothing. The same poll keeps the page in step with the server's state: the fused
+preset (badge, picker, sampling fields), the loaded model and the adapter library.
 """
 from __future__ import annotations
 
@@ -20,6 +27,10 @@ from .views import ModelInfo, error_html, ok_html, readable
 
 MAX_LORAS = 6
 NO_PRESET = "(none: base weights)"
+MAX_BATCH = 16
+POLL_S = 0.5  # how often an open page asks the server about its jobs, preset, model and library
+WEIGHT_RANGE = (-4.0, 4.0)  # the sliders' range; a typed weight beyond it is still honoured
+MAX_WATCH = 32  # finished jobs a page keeps listing (the newest)
 
 
 def models_by_id(studio) -> dict[str, ModelInfo]:
@@ -86,6 +97,26 @@ def render_stack(stack: list[dict], two_stage: bool) -> list:
     return updates
 
 
+def _any_weight(payload):
+    """A typed weight beyond the slider's range is honoured (the slider is for the usual range only);
+    one that is not a finite number is refused by name."""
+    import math
+
+    try:
+        value = float(payload)
+    except (TypeError, ValueError):
+        raise gr.Error(f"LoRA weight: {payload!r} is not a number", print_exception=False) from None
+    if not math.isfinite(value):
+        raise gr.Error(f"LoRA weight: {payload!r} is not a finite number", print_exception=False)
+    return value
+
+
+def weight_slider(label: str, **kw) -> gr.Slider:
+    slider = gr.Slider(*WEIGHT_RANGE, value=1.0, step=0.05, label=label, **kw)
+    slider.preprocess = _any_weight  # Gradio would refuse a typed 5 with a bare HTTP 500
+    return slider
+
+
 def _widget(w: FieldWidget):
     common = dict(label=w.label, info=w.info or None, visible=False, elem_id=f"field-{w.name}")
     if w.kind == "text":
@@ -112,7 +143,13 @@ class GenerateTab:
     preset: gr.Dropdown = None
     preset_note: gr.HTML = None
     applied: gr.State = None
-    status: gr.HTML = None
+    badge: gr.HTML = None
+    status: gr.HTML = None  # one-line notes: queued, errors, model switches
+    jobs: gr.HTML = None  # the jobs this page follows, with their progress
+    batch: gr.Number = None
+    watch: gr.State = None
+    seen: gr.State = None
+    timer: gr.Timer = None
     job_id: gr.Textbox = None
     image: gr.Image = None
     video: gr.Video = None
@@ -159,6 +196,14 @@ def field_updates(m: ModelInfo | None, values: dict | None = None, *, reset: boo
     return updates
 
 
+def unknown_model_message(model_id, models: dict) -> str:
+    """A typed model name the server does not offer: say which it offers and how to get another."""
+    offered = ", ".join(models) or "none"
+    return (f"model {model_id!r} is not available on this server (it offers: {offered}). To use another "
+            f"model, download it (huggingface-cli download ORG/NAME) or point at a local diffusers "
+            f"directory, and start the server with it: python app.py serve ORG/NAME")
+
+
 def adapter_pick_updates(studio) -> list:
     try:
         choices, note = views.adapter_choices(studio.adapters())
@@ -182,7 +227,8 @@ def build(studio) -> GenerateTab:
                 if w.group in ("prompt", "inputs"):
                     t.widgets[w.name] = _widget(w)
             with gr.Row():
-                t.seed = gr.Number(label="Seed (seed)", value=42, precision=0, minimum=0, elem_id="seed", scale=3)
+                t.seed = gr.Number(label="Seed (seed)", value=42, precision=0, minimum=-1, elem_id="seed", scale=3,
+                                   info="-1: a random seed (the one used is in the result's metadata)")
                 dice = gr.Button("Random seed", scale=1, elem_id="seed-random")
             with gr.Row():
                 for w in WIDGETS:
@@ -214,14 +260,11 @@ def build(studio) -> GenerateTab:
                             down = gr.Button("↓", min_width=36, scale=0, size="sm")
                             remove = gr.Button("✕", min_width=36, scale=0, size="sm", elem_id=f"stack-remove-{i}")
                         with gr.Row():
-                            scale = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="weight", scale=3,
-                                              elem_id=f"stack-scale-{i}")
+                            scale = weight_slider("weight", elem_id=f"stack-scale-{i}", scale=3)
                             split = gr.Checkbox(label="per transformer", value=False, visible=False, scale=1,
                                                 min_width=100)
-                            high = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="transformer (high noise)",
-                                             visible=False, scale=2)
-                            low = gr.Slider(-1.0, 2.0, value=1.0, step=0.05, label="transformer_2 (low noise)",
-                                            visible=False, scale=2)
+                            high = weight_slider("transformer (high noise)", visible=False, scale=2)
+                            low = weight_slider("transformer_2 (low noise)", visible=False, scale=2)
                     t.rows.append(StackRow(row, name, scale, split, high, low, up, down, remove))
 
             with gr.Accordion("Preset (distill: fused into the base weights)", open=False, elem_id="gen-preset"):
@@ -233,10 +276,18 @@ def build(studio) -> GenerateTab:
                 t.applied = gr.State(None)
 
         with gr.Column(scale=2):
+            t.badge = gr.HTML(elem_id="fused-badge")
             with gr.Row():
-                go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
-                stop = gr.Button("Cancel", variant="stop", elem_id="cancel-btn")
-            t.status = gr.HTML(elem_id="gen-status")
+                go = gr.Button("Generate", variant="primary", elem_id="generate-btn", scale=3)
+                t.batch = gr.Number(label="Batch count", value=1, precision=0, minimum=1, maximum=MAX_BATCH,
+                                    elem_id="batch-count", scale=1, min_width=90,
+                                    info="jobs per click, seeds +1")
+                stop = gr.Button("Cancel", variant="stop", elem_id="cancel-btn", scale=1)
+            t.status = gr.HTML(elem_id="gen-note")
+            t.jobs = gr.HTML(elem_id="gen-status")
+            t.watch = gr.State({"ids": [], "shown": None, "html": None})
+            t.seen = gr.State({})
+            t.timer = gr.Timer(POLL_S)
             t.job_id = gr.Textbox(visible="hidden", elem_id="gen-job-id")
             t.image = gr.Image(label="Result", type="filepath", interactive=False, elem_id="result-image",
                                format="png")
@@ -268,9 +319,10 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
         models = models_by_id(studio)
         m = models.get(model_id)
         if m is None:
-            yield [gr.update()] * 2 + [error_html(f"unknown model {model_id!r}")] + field_updates(None) + \
-                [gr.update()] * 2 + [stack, *render_stack(stack, False)]
+            yield [gr.update()] * 2 + [error_html(unknown_model_message(model_id, models))] + \
+                [gr.update()] * len(WIDGETS) + [gr.update()] * 2 + [stack, *render_stack(stack, False)]
             return
+        fused_before = studio.current_preset()
         if not m.loaded:
             try:
                 job = studio.switch_model(model_id)
@@ -295,8 +347,12 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
         fits = {value for _, value in choices}
         kept = [e for e in stack if e["name"] in fits]
         dropped = [e["name"] for e in stack if e["name"] not in fits]
-        note = ok_html(f"{model_id} loaded" + (f"; removed adapters that do not fit it: {', '.join(dropped)}"
-                                              if dropped else ""))
+        note = f"{model_id} loaded"
+        if fused_before and studio.current_preset() != fused_before:
+            note += f"; preset {fused_before} is no longer fused (a model switch restores the base weights)"
+        if dropped:
+            note += f"; removed adapters that do not fit it: {', '.join(dropped)}"
+        note = ok_html(note)
         yield [gr.update(choices=model_choices(studio), value=model_id), views.mode_markdown(m), note] + \
             field_updates(m) + \
             [gr.update(choices=choices, value=choices[0][1] if choices else None), unfit] + \
@@ -371,6 +427,11 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
 
     def apply(preset_id, model_id):
         m = models_by_id(studio).get(model_id)
+        loaded = studio.current_model()
+        if model_id != loaded:  # a preset fuses into the server's loaded model, not the one this tab shows
+            return [gr.update(), error_html(f"this tab shows {model_id} but the server has {loaded} loaded "
+                                            f"(another tab or client switched it); pick {model_id} again "
+                                            f"to load it, then apply")] + [gr.update()] * len(WIDGETS)
         try:
             if not preset_id or preset_id == NO_PRESET:
                 studio.restore_base()
@@ -390,50 +451,198 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
     apply_btn.click(apply, [t.preset, t.model], [t.applied, t.preset_note, *t.field_outputs()],
                     api_visibility="private")
 
-    # -- generate ---------------------------------------------------------------------------
-    def run(model_id, prompt, seed, stack, applied, *values, progress=gr.Progress()):
+    # -- generate: queue jobs, then the page's poll follows them ---------------------------------
+    def submit(model_id, prompt, seed, batch, stack, watch, *values):
+        values, weights = values[:len(WIDGETS)], values[len(WIDGETS):]
+        # the weights as the sliders show them now (the browser clamps a typed 5 to the slider's 4)
+        stack = [{**e, "scale": weights[3 * i], "high": weights[3 * i + 1], "low": weights[3 * i + 2]}
+                 for i, e in enumerate(stack or [])]
         m = models_by_id(studio).get(model_id)
-        blank = [gr.update(), gr.update(), gr.update()]
         if m is None:
-            yield [error_html(f"pick a model first (got {model_id!r})"), ""] + blank
-            return
-        params = {"prompt": prompt, "seed": None if seed is None else int(seed)}
+            return [error_html(f"pick a model first (got {model_id!r})"), gr.update(), gr.update()]
+        try:
+            n = int(batch if batch is not None else 1)
+        except (TypeError, ValueError):
+            n = 0
+        if not 1 <= n <= MAX_BATCH:
+            return [error_html(f"Batch count must be 1 to {MAX_BATCH}, got {batch!r}"), gr.update(), gr.update()]
+        seed = -1 if seed is None else int(seed)
+        base_seed = random.randrange(2**31) if seed == -1 else seed  # -1: random, then +1 per job
+        params = {"prompt": prompt}
         for w, v in zip(WIDGETS, values):
             if w.name in m.fields:
                 value = clean_value(w, v)
                 if value is not None:
                     params[w.name] = value
+        payload = adapter_payload(stack, m.two_stage)
+        queued = []
         try:
-            # the server knows what it has fused (apply_preset); the job need not name it again
-            job = studio.submit("generate", params, adapter_payload(stack, m.two_stage), None, model_id)
+            for i in range(n):
+                # the server knows what it has fused (apply_preset); the job need not name it again
+                queued.append(studio.submit("generate", {**params, "seed": base_seed + i}, payload, None, model_id))
         except Exception as exc:
-            yield [error_html(readable(exc)), ""] + blank
-            return
-        for (job,) in follow(studio, [job["id"]]):
-            prog = job.get("progress") or {}
-            if prog.get("total"):
-                progress((prog.get("step") or 0, prog["total"]), desc="denoising", unit="steps")
-            yield [views.progress_html(job), str(job["id"])] + blank
-        yield [views.progress_html(job) if job.get("status") == "succeeded" else
-               error_html(f"job {job['id']} {job.get('status')}: {job.get('error') or 'no reason given'}"),
-               str(job["id"])] + result_updates(job, m)
+            if not queued:
+                return [error_html(readable(exc)), gr.update(), gr.update()]
+            note = error_html(f"queued {len(queued)} of {n} jobs, then: {readable(exc)}")
+        else:
+            first = queued[0]
+            where = (f"position {first['queue_position']} in the queue" if first.get("queue_position")
+                     else "starting")
+            ids = ", ".join(str(j["id"]) for j in queued)
+            note = ok_html(f"queued job{'s' if n > 1 else ''} {ids} (seed {base_seed}"
+                           f"{f'…{base_seed + n - 1}' if n > 1 else ''}) · {where}")
+        # a new click starts a new list: the finished jobs of earlier clicks leave it
+        keep = [j for j in (watch or {}).get("ids") or [] if _active(studio, j)]
+        watch = {**(watch or {}), "ids": keep + [str(j["id"]) for j in queued]}
+        return [note, watch, str(queued[-1]["id"])]
 
-    gen = go.click(run, [t.model, t.prompt, t.seed, t.stack, t.applied, *t.field_outputs()],
-                   [t.status, t.job_id, t.image, t.video, t.metadata],
-                   api_visibility="private", concurrency_limit=None, show_progress_on=[t.image, t.video])
+    sliders = [c for r in t.rows for c in (r.scale, r.high, r.low)]
+    go.click(submit, [t.model, t.prompt, t.seed, t.batch, t.stack, t.watch, *t.field_outputs(), *sliders],
+             [t.status, t.watch, t.job_id], api_visibility="private", queue=False, trigger_mode="multiple",
+             show_progress="hidden")
 
-    def cancel_current(job_id):
-        if job_id:
+    def cancel_jobs(watch):
+        """Cancel every queued or running job this page follows."""
+        cancelled, errors = [], []
+        for job_id in (watch or {}).get("ids") or []:
+            if not _active(studio, job_id):
+                continue
             try:
                 studio.cancel(job_id)
-            except Exception as exc:
-                return error_html(readable(exc))
-        return ok_html(f"cancelled job {job_id}" if job_id else "nothing to cancel")
+                cancelled.append(job_id)
+            except Exception as exc:  # finished meanwhile
+                errors.append(readable(exc))
+        if errors and not cancelled:
+            return error_html(errors[0])
+        return ok_html(f"cancelled job{'s' if len(cancelled) > 1 else ''} {', '.join(cancelled)}" if cancelled
+                       else "nothing to cancel")
 
-    stop.click(cancel_current, t.job_id, t.status, cancels=[gen], api_visibility="private", queue=False)
+    stop.click(cancel_jobs, t.watch, t.status, api_visibility="private", queue=False)
+
+    def poll(watch, seen, model_id, stack):
+        """The page's view of the server: its jobs, fused preset, loaded model and adapter library.
+        Each part is sent only when it changed (gr.update() otherwise)."""
+        watch, seen = dict(watch or {}), dict(seen or {})
+        out = {}
+        # jobs: the server's active ones (a reload, another tab) plus the ones this page queued
+        try:
+            ids = list(watch.get("ids") or [])
+            for j in studio.active_jobs():
+                if str(j["id"]) not in ids:
+                    ids.append(str(j["id"]))
+            jobs = []
+            for job_id in ids:
+                try:
+                    jobs.append(studio.job(job_id))
+                except Exception:  # gone (pruned): nothing to show
+                    pass
+            finished = [j for j in jobs if j.get("status") in views.FINISHED]
+            while len(jobs) > MAX_WATCH and finished:
+                jobs.remove(finished.pop(0))
+            watch["ids"] = [str(j["id"]) for j in jobs]
+            spp = studio.seconds_per_step() if any(j.get("status") == "running" for j in jobs) else None
+            html = views.jobs_html(jobs, seconds_per_step=spp)
+            if html != watch.get("html"):
+                watch["html"] = out["jobs"] = html
+            done = [j for j in jobs if j.get("status") == "succeeded"]
+            if done:
+                newest = max(done, key=lambda j: j.get("finished_at") or 0)
+                if str(newest["id"]) != watch.get("shown"):
+                    watch["shown"] = str(newest["id"])
+                    m = models_by_id(studio).get(newest.get("model") or model_id) or ModelInfo(id="")
+                    out["result"] = result_updates(newest, m)
+        except Exception as exc:
+            out["jobs"] = error_html(f"could not read the queue: {readable(exc)}")
+        # the server's loaded model and fused preset: one source of truth for every tab
+        try:
+            model_now, preset_now = studio.current_model(), studio.current_preset()
+        except Exception:
+            model_now, preset_now = seen.get("model"), seen.get("preset")
+        m_now = None
+        if model_now != seen.get("model") and "model" in seen and model_now != model_id:
+            models = models_by_id(studio)
+            m_now = models.get(model_now)
+            out["model"] = [gr.update(choices=model_choices(studio), value=model_now),
+                            views.mode_markdown(m_now) if m_now else ""]
+            out["fields"] = field_updates(m_now)
+            out["note"] = ok_html(f"the server switched to {model_now} (another tab or client loaded it)")
+        if preset_now != seen.get("preset") or model_now != seen.get("model"):
+            out["badge"] = badge_html(preset_now)
+            out["preset"] = gr.update(choices=preset_choices(studio, model_now),
+                                      value=preset_now or NO_PRESET)
+            defaults = preset_defaults(studio, preset_now) if preset_now else {}
+            if defaults:
+                m_fields = m_now or models_by_id(studio).get(model_now)
+                out["fields"] = field_updates(m_fields, defaults, reset=False)
+        seen["model"], seen["preset"] = model_now, preset_now
+        # the adapter library: new imports appear, deleted adapters leave the picker and the stack
+        try:
+            sig = studio.library_signature()
+        except Exception:
+            sig = seen.get("library")
+        if sig != seen.get("library"):
+            first = "library" not in seen
+            seen["library"] = sig
+            pick, unfit = adapter_pick_updates(studio)
+            try:
+                names = {a["name"] for a in studio.adapters() if views.fit_of(a)[0]}
+            except Exception:
+                names = {e["name"] for e in stack or []}
+            kept = [e for e in stack or [] if e["name"] in names]
+            out["library"] = [pick, unfit]
+            if len(kept) != len(stack or []):
+                gone = [e["name"] for e in stack if e["name"] not in names]
+                out["stack"] = [kept, *render_stack(kept, two_stage_of(model_id))]
+                out["note"] = error_html(f"removed from the stack (no longer in the library): {', '.join(gone)}")
+            elif first:
+                out.pop("library")  # the page's load already filled the picker
+        keep = gr.update()
+        return ([out.get("jobs", keep), *out.get("result", [keep] * 3), watch, seen, out.get("badge", keep),
+                 out.get("preset", keep), *out.get("model", [keep, keep]),
+                 *out.get("fields", [keep] * len(WIDGETS)), *out.get("library", [keep, keep]),
+                 *out.get("stack", [keep] * (1 + len(t.row_outputs()))), out.get("note", keep)])
+
+    poll_outputs = [t.jobs, t.image, t.video, t.metadata, t.watch, t.seen, t.badge, t.preset, t.model, t.mode,
+                    *t.field_outputs(), t.pick, t.unfit, t.stack, *t.row_outputs(), t.status]
+    t.timer.tick(poll, [t.watch, t.seen, t.model, t.stack], poll_outputs, api_visibility="private",
+                 queue=False, show_progress="hidden")
     # the app's page-load handler and the Gallery's "use these settings" reuse these
     t.load_models, t.model_outputs = load_models, model_outputs
     t.switch, t.switch_outputs = switch, switch_outputs
+
+
+def _active(studio, job_id) -> bool:
+    try:
+        return studio.job(job_id).get("status") not in views.FINISHED
+    except Exception:
+        return False
+
+
+def badge_html(preset_id: str | None) -> str:
+    """Where you generate: what the server has fused into the base weights now."""
+    import html
+
+    if preset_id:
+        return (f'<span class="ls-badge" data-preset="{html.escape(preset_id)}">fused: '
+                f'{html.escape(preset_id)}</span>')
+    return '<span class="ls-badge ls-badge-base" data-preset="">base weights (no preset fused)</span>'
+
+
+def preset_choices(studio, model_id: str | None = None) -> list[str]:
+    """The presets made for the loaded model (all of them when none names it)."""
+    try:
+        presets = studio.presets()
+    except Exception:
+        return [NO_PRESET]
+    model_id = model_id or studio.current_model()
+    return [NO_PRESET] + [p["id"] for p in presets if not p.get("models") or model_id in p["models"]]
+
+
+def preset_defaults(studio, preset_id: str) -> dict:
+    try:
+        return dict(next((p.get("defaults") or {} for p in studio.presets() if p.get("id") == preset_id), {}))
+    except Exception:
+        return {}
 
 
 def result_updates(job: dict, m: ModelInfo) -> list:

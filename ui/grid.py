@@ -31,11 +31,12 @@ def first_frame(path: str | Path) -> Image.Image:
         return img.convert("RGB")
 
 
-def compose(cells: list[list[Image.Image | None]], x_labels: list[str], y_labels: list[str],
+def compose(cells: list[list[Image.Image | str | None]], x_labels: list[str], y_labels: list[str],
             x_title: str, y_title: str) -> Image.Image:
-    """cells[row][col]; a None cell (failed or cancelled job) is drawn as a grey box."""
+    """cells[row][col]; a cell without an image is drawn as a grey box saying why: its text
+    ("cancelled", "failed"), or "failed" for None."""
     font = ImageFont.load_default()
-    sample = next((c for row in cells for c in row if c is not None), None)
+    sample = next((c for row in cells for c in row if isinstance(c, Image.Image)), None)
     w, h = sample.size if sample else (MIN_CELL, MIN_CELL)
     zoom = max(1, -(-MIN_CELL // max(1, min(w, h))))
     cw, ch = w * zoom, h * zoom
@@ -54,9 +55,9 @@ def compose(cells: list[list[Image.Image | None]], x_labels: list[str], y_labels
         for j in range(len(x_labels)):
             x = int(left + j * (cw + PAD))
             cell = cells[i][j] if i < len(cells) and j < len(cells[i]) else None
-            if cell is None:
+            if not isinstance(cell, Image.Image):
                 draw.rectangle([x, y, x + cw, y + ch], fill=(200, 200, 200))
-                draw.text((x + PAD, y + PAD), "failed", fill="black", font=font)
+                draw.text((x + PAD, y + PAD), cell or "failed", fill="black", font=font)
             else:
                 grid.paste(cell.resize((cw, ch), Image.NEAREST), (x, int(y)))
     return grid

@@ -94,19 +94,73 @@ def job_line(job: dict) -> str:
     return status
 
 
-def progress_html(job: dict) -> str:
+def seconds(s: float) -> str:
+    s = max(0.0, float(s))
+    return f"{s:.1f} s" if s < 60 else f"{int(s // 60)} min {int(s % 60):02d} s"
+
+
+def timing(job: dict, now: float | None = None, seconds_per_step: float | None = None) -> str:
+    """Elapsed and ETA of a running job (ETA from its own pace, else the worker's seconds per step);
+    how long a finished one took."""
+    import time
+
+    started, finished = job.get("started_at"), job.get("finished_at")
+    if not isinstance(started, (int, float)):
+        return ""
+    if job.get("status") in FINISHED:
+        return f"took {seconds(finished - started)}" if isinstance(finished, (int, float)) else ""
+    elapsed = (now or time.time()) - started
+    prog = job.get("progress") or {}
+    step, total = prog.get("step") or 0, prog.get("total") or 0
+    per_step = elapsed / step if step else seconds_per_step
+    text = f"{seconds(elapsed)} elapsed"
+    if total and per_step:
+        text += f" · ETA {seconds(per_step * (total - step))}"
+    return text
+
+
+def progress_html(job: dict, now: float | None = None, seconds_per_step: float | None = None) -> str:
     """The per-step progress bar; data-* attributes let the browser tests read it."""
     prog = job.get("progress") or {}
     pct = round(100 * job_fraction(job))
     status = html.escape(str(job.get("status", "")))
     cls = "ls-error" if status == "failed" else ""
+    line = job_line(job)
+    when = timing(job, now, seconds_per_step)
+    if when:
+        line += f" · {when}"
+    seed = (job.get("params") or {}).get("seed")
+    meta_seed = ((job.get("result") or {}).get("metadata") or {}).get("seed")
+    seed_text = f" · seed {meta_seed if meta_seed is not None else seed}" if seed is not None else ""
     return (f'<div class="ls-job {cls}" data-job="{html.escape(str(job.get("id", "")))}" data-status="{status}" '
-            f'data-step="{prog.get("step") or 0}" data-total="{prog.get("total") or 0}">'
-            f'<div class="ls-job-line">Job {html.escape(str(job.get("id", "")))} · {html.escape(job_line(job))}</div>'
+            f'data-step="{prog.get("step") or 0}" data-total="{prog.get("total") or 0}" '
+            f'data-position="{job.get("queue_position") or ""}">'
+            f'<div class="ls-job-line">Job {html.escape(str(job.get("id", "")))}{html.escape(seed_text)} · '
+            f'{html.escape(line)}</div>'
             f'<div class="ls-bar"><div class="ls-bar-fill" style="width:{pct}%"></div></div></div>')
 
 
-JOB_COLUMNS = ["id", "kind", "status", "progress", "queue", "model", "adapters", "preset", "created", "took", "error"]
+def jobs_html(jobs: list[dict], now: float | None = None, seconds_per_step: float | None = None) -> str:
+    """The jobs a page follows, each with its bar; the container's data-* attributes give the page
+    title its progress ("[3/20] LoRA Studio") and let the browser tests count jobs."""
+    if not jobs:
+        return '<div class="ls-jobs" data-count="0" data-title=""></div>'
+    running = [j for j in jobs if j.get("status") == "running"]
+    queued = [j for j in jobs if j.get("status") == "queued"]
+    title = ""
+    if running:
+        prog = running[0].get("progress") or {}
+        title = f"[{prog.get('step') or 0}/{prog.get('total') or '?'}]"
+        if queued:
+            title += f" +{len(queued)}"
+    elif queued:
+        title = f"[queued {len(queued)}]"
+    return (f'<div class="ls-jobs" data-count="{len(jobs)}" data-title="{html.escape(title)}">'
+            + "".join(progress_html(j, now, seconds_per_step) for j in jobs) + "</div>")
+
+
+JOB_COLUMNS = ["id", "kind", "status", "progress", "queue", "prompt", "model", "adapters", "preset", "created",
+               "took", "error"]
 
 
 def _clock(ts) -> str:
@@ -142,7 +196,7 @@ def job_rows(jobs: list[dict]) -> list[list]:
         prog = j.get("progress") or {}
         rows.append([j.get("id"), j.get("kind"), j.get("status"),
                      f"{prog.get('step') or 0}/{prog.get('total') or '?'}", j.get("queue_position") or "",
-                     j.get("model") or "", adapters_label(j.get("adapters")), j.get("preset") or "",
+                     _short(str((j.get("params") or {}).get("prompt") or ""), 60), j.get("model") or "", adapters_label(j.get("adapters")), j.get("preset") or "",
                      _clock(j.get("created_at")), _took(j), (j.get("error") or "")[:120]])
     return rows
 

@@ -114,6 +114,12 @@ class Supervisor:
         """Send a message to the worker between jobs (e.g. drop an adapter from its cache)."""
         with self._lock:
             self._controls.append(msg)
+        if msg.get("op") == "pin":  # reported at once, even while a job holds the worker
+            cache = dict((self.info or {}).get("lora_cache") or {})
+            pinned = set(cache.get("pinned") or [])
+            (pinned.add if msg.get("pinned") else pinned.discard)(msg.get("name"))
+            cache["pinned"] = sorted(pinned)
+            self.info = {**(self.info or {}), "lora_cache": cache}
         self.wake()
 
     # -- the loop --------------------------------------------------------------------------------
@@ -192,6 +198,8 @@ class Supervisor:
             self.group = group_key(self.info.get("model"), [], self.info.get("preset"))
             self.fatal = None
             self._ready.set()
+        elif kind == "info":  # the worker's state changed between jobs (a pin, an unload)
+            self.info = msg[1]
         elif kind == "fatal":
             self.fatal = msg[1]
         elif kind == "progress":

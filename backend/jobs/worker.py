@@ -203,6 +203,7 @@ class _Worker:
                     self._cache_op(msg)
                 except Exception as exc:  # not loaded / unreadable: nothing to change, say why in the log
                     print(f"lora-studio worker: {op} {msg.get('name')!r}: {exc}", file=sys.stderr)
+                self.conn.send(("info", self.info()))  # the cache's new state (pins), reported at once
 
     def _cache_op(self, msg: dict) -> None:
         from backend.lora.request import LoRARequest

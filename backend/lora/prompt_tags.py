@@ -1,0 +1,54 @@
+"""A1111-style ``<lora:NAME:WEIGHT>`` tags in a prompt: one parser for the UI, the HTTP API
+and the CLI.
+
+The tags are taken out of the text (the text encoder never sees them) and become adapter
+entries ``{"name", "scale"}``; the weight is optional (1.0). Pure text handling: no torch.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from ..errors import InvalidParameter
+
+TAG = re.compile(r"<lora:([^<>]*)>", re.IGNORECASE)
+
+
+def split(prompt: str) -> tuple[str, list[dict]]:
+    """(the prompt without its tags, [{"name", "scale"}] in the order written)."""
+    if not isinstance(prompt, str) or "<lora:" not in prompt.lower():
+        return prompt, []
+    adapters = []
+    for match in TAG.finditer(prompt):
+        body = match.group(1)
+        name, _, rest = body.partition(":")
+        name = name.strip()
+        if not name:
+            raise InvalidParameter(f"prompt: {match.group(0)!r} names no adapter (write <lora:NAME:WEIGHT>)",
+                                   param="prompt")
+        weight = rest.split(":")[0].strip() if rest else ""
+        try:
+            scale = float(weight) if weight else 1.0
+        except ValueError:
+            raise InvalidParameter(f"prompt: the weight in {match.group(0)!r} is not a number",
+                                   param="prompt") from None
+        if not math.isfinite(scale):
+            raise InvalidParameter(f"prompt: the weight in {match.group(0)!r} is not finite", param="prompt")
+        adapters.append({"name": name, "scale": scale})
+    text = TAG.sub(" ", prompt)
+    text = re.sub(r"\s+([,.;])", r"\1", text)  # "a cat , <lora:x>" -> "a cat,"
+    text = re.sub(r"[ \t]{2,}", " ", text).strip().strip(",").strip()
+    return text, adapters
+
+
+def merge(stack: list[dict] | None, tagged: list[dict]) -> list[dict]:
+    """The request's adapters plus the prompt's; an adapter named both ways is refused by name."""
+    stack = list(stack or [])
+    names = {a.get("name") for a in stack if isinstance(a, dict)}
+    for a in tagged:
+        if a["name"] in names:
+            raise InvalidParameter(f"prompt: <lora:{a['name']}> is also in the adapter list; name it once",
+                                   param="prompt")
+        names.add(a["name"])
+        stack.append(a)
+    return stack

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""README screenshots of the Generate tab, taken with headless Chromium (Playwright).
+
+Start an app first (``python app.py serve demo:qwen-image --port 7861``) with a few adapters
+in its library, then::
+
+    python scripts/ui_screenshots.py http://127.0.0.1:7861/ [docs/img]
+
+It stacks the first two adapters that fit, queues a batch of three jobs and shoots the
+Generate tab while the first result is shown and the others run or wait (docs/img/generate.png).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from playwright.sync_api import sync_playwright
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def main(url: str, out_dir: Path) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 1100})
+        page.set_default_timeout(120_000)
+        page.goto(url)
+        page.wait_for_selector("#fused-badge .ls-badge")
+        page.locator("#prompt textarea").fill("a lighthouse at dusk, ink drawing")
+        for i in range(2):
+            page.locator("#adapter-pick input").click()
+            options = page.get_by_role("option")
+            if options.count() <= i:
+                page.keyboard.press("Escape")
+                break
+            options.nth(i).click()
+            page.locator("#adapter-add").click()
+        steps = page.locator("#field-num_inference_steps input")
+        steps.fill("40")
+        steps.press("Tab")
+        batch = page.locator("#batch-count input")
+        batch.fill("3")
+        batch.press("Tab")
+        page.locator("#generate-btn").click()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # the first result shown while the next one runs
+            states = page.locator("#gen-status .ls-job").evaluate_all("els => els.map(e => e.dataset.status)")
+            if "succeeded" in states and "running" in states and page.locator("#result-image img").count():
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)
+        page.screenshot(path=str(out_dir / "generate.png"), full_page=True)
+        page.locator("#cancel-btn").click()
+        browser.close()
+    print(out_dir / "generate.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], Path(sys.argv[2] if len(sys.argv) > 2 else "docs/img")))

@@ -1,0 +1,33 @@
+"""<lora:NAME:WEIGHT> in a prompt (A1111): the one parser the UI, the HTTP API and the CLI share."""
+from __future__ import annotations
+
+import pytest
+
+from backend.errors import InvalidParameter
+from backend.lora import prompt_tags
+
+
+def test_tags_leave_the_text_and_become_adapters():
+    text, adapters = prompt_tags.split("a cat, <lora:ink:0.8> on a mat <lora:film>")
+    assert text == "a cat, on a mat"
+    assert adapters == [{"name": "ink", "scale": 0.8}, {"name": "film", "scale": 1.0}]
+    assert prompt_tags.split("<LORA:x:-1.5>") == ("", [{"name": "x", "scale": -1.5}])
+    assert prompt_tags.split("no tags here") == ("no tags here", [])
+
+
+@pytest.mark.parametrize("prompt, fragment", [
+    ("a <lora::1>", "names no adapter"),
+    ("a <lora:x:heavy>", "is not a number"),
+    ("a <lora:x:inf>", "is not finite"),
+])
+def test_bad_tags_are_refused_by_what_is_wrong(prompt, fragment):
+    with pytest.raises(InvalidParameter, match=fragment) as err:
+        prompt_tags.split(prompt)
+    assert err.value.param == "prompt"
+
+
+def test_an_adapter_named_twice_is_refused():
+    with pytest.raises(InvalidParameter, match="also in the adapter list"):
+        prompt_tags.merge([{"name": "ink", "scale": 1.0}], [{"name": "ink", "scale": 0.5}])
+    assert prompt_tags.merge([{"name": "a", "scale": 1}], [{"name": "b", "scale": 2}]) == \
+        [{"name": "a", "scale": 1}, {"name": "b", "scale": 2}]

@@ -1,0 +1,358 @@
+"""Jobs belong to the server, and the page shows the server's state: Playwright in Chromium
+against one ``python app.py serve`` for the module.
+
+A reload re-attaches to the running job (which finishes), quick clicks each queue a job,
+the fused preset is shown the same in two tabs and after a reload, the adapter list
+follows the library, pins show at once, typed weights and seed -1 are honoured.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ui_fixtures import ARTIFACTS, MODEL, app, lora_files  # noqa: F401  (fixtures)
+
+import playwright.sync_api as playwright  # noqa: E402
+expect = playwright.expect
+TIMEOUT_MS = int(os.environ.get("LORA_STUDIO_UI_TIMEOUT_MS", "120000"))  # each wait ends when its answer shows
+expect.set_options(timeout=TIMEOUT_MS)
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+PRESET = "qwen-image-2512-lightning-4step"
+
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def browser(app):  # noqa: F811
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield browser
+        browser.close()
+
+
+def open_page(browser, app):  # noqa: F811
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(app.url)
+    page.wait_for_selector("#prompt textarea")
+    if page.locator("#fused-badge").count():  # the page's load has landed (the badge is its last answer)
+        expect(page.locator("#fused-badge .ls-badge")).to_be_visible()
+    return page
+
+
+@pytest.fixture
+def page(browser, app):  # noqa: F811
+    page = open_page(browser, app)
+    yield page
+    page.close()
+
+
+def shot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def jobs_shown(page) -> list[dict]:
+    return page.locator("#gen-status .ls-job").evaluate_all(
+        "els => els.map(e => ({id: e.dataset.job, status: e.dataset.status, step: +e.dataset.step}))")
+
+
+def wait_for(what, check, timeout: float = TIMEOUT_MS / 1000, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def job(app, job_id):  # noqa: F811
+    return app.get(f"v1/jobs/{job_id}")
+
+
+def all_jobs(app):  # noqa: F811
+    return app.get("v1/jobs?limit=1000")["data"]
+
+
+def cancel_all(app):  # noqa: F811
+    for j in all_jobs(app):
+        if j["status"] in ("queued", "running"):
+            httpx.delete(app.url + f"v1/jobs/{j['id']}", timeout=30)
+    wait_for("the queue to drain", lambda: not any(j["status"] in ("queued", "running") for j in all_jobs(app)))
+
+
+def fill(page, elem_id: str, value) -> None:
+    box = page.locator(f"#{elem_id} input, #{elem_id} textarea").first
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def test_reload_reattaches_and_the_job_finishes(browser, page, app):  # noqa: F811
+    # a long job (cancelled over HTTP once the test has seen what it needs) and a short one queued behind it
+    fill(page, "prompt", "a long one")
+    fill(page, "field-num_inference_steps", 1000)
+    fill(page, "field-height", 256)
+    fill(page, "field-width", 256)
+    page.locator("#generate-btn").click()
+    fill(page, "prompt", "a lighthouse at dusk")
+    fill(page, "field-num_inference_steps", 2)
+    fill(page, "field-height", 64)
+    fill(page, "field-width", 64)
+    page.locator("#generate-btn").click()
+    long = wait_for("the long job to run", lambda: next((j for j in jobs_shown(page)
+                                                         if j["status"] == "running" and j["step"] >= 1), None))
+    short = wait_for("the short job queued", lambda: next((j for j in jobs_shown(page)
+                                                           if j["status"] == "queued"), None))
+    # progress people can read: elapsed and ETA, the queue position, the step in the page title
+    expect(page.locator("#gen-status")).to_contain_text("elapsed")
+    expect(page.locator("#gen-status")).to_contain_text("position 1 in the queue")
+    wait_for("the title to show progress", lambda: page.title().startswith("["))
+    other = open_page(browser, app)  # a second tab sees the same jobs, with their progress
+    expect(other.locator(f'#gen-status .ls-job[data-job="{long["id"]}"]')).to_have_attribute("data-status",
+                                                                                           "running")
+    expect(other.locator(f'#gen-status .ls-job[data-job="{short["id"]}"]')).to_be_visible()
+    other.close()
+
+    page.reload()
+    page.wait_for_selector("#prompt textarea")
+    expect(page.locator(f'#gen-status .ls-job[data-job="{long["id"]}"]')).to_be_visible()  # re-attached ...
+    attached = page.locator(f'#gen-status .ls-job[data-job="{short["id"]}"]')
+    expect(attached).to_be_visible()
+    assert job(app, long["id"])["status"] == "running"  # ... and nothing was cancelled by the reload
+    assert job(app, short["id"])["status"] == "queued"
+    httpx.delete(app.url + f"v1/jobs/{long['id']}", timeout=30)
+    expect(attached).to_have_attribute("data-status", "succeeded")
+    page.locator("#result-image img").wait_for()
+    expect(page.locator("#result-metadata")).to_contain_text("a lighthouse at dusk")
+    assert job(app, short["id"])["status"] == "succeeded"
+    shot(page, "generate-reattached")
+
+
+def test_each_click_queues_a_job_and_batches_count_seeds(page, app):  # noqa: F811
+    before = {j["id"] for j in all_jobs(app)}
+    fill(page, "prompt", "three quick clicks")
+    fill(page, "field-num_inference_steps", 40)
+    fill(page, "seed", 100)
+    button = page.locator("#generate-btn")
+    for _ in range(3):
+        button.click()
+    new = wait_for("three jobs", lambda: [j for j in all_jobs(app) if j["id"] not in before
+                                          and j["kind"] == "generate"] if len(
+        [j for j in all_jobs(app) if j["id"] not in before]) >= 3 else None, timeout=30)
+    assert len(new) == 3, new
+    wait_for("three jobs on the page", lambda: len(jobs_shown(page)) == 3)
+    expect(page.locator("#gen-status")).to_contain_text("position")  # queued ones show where they are
+    expect(page.locator("#gen-note")).to_contain_text("queued job")
+
+    fill(page, "batch-count", 2)
+    button.click()
+    batch = wait_for("a batch of two", lambda: (lambda js: js if len(js) == 2 else None)(
+        [j for j in all_jobs(app) if j["id"] not in before and j["id"] not in {n["id"] for n in new}]), timeout=30)
+    assert sorted(j["params"]["seed"] for j in batch) == [100, 101]
+    wait_for("five jobs on the page", lambda: len(jobs_shown(page)) == 5)
+    page.locator("#cancel-btn").click()  # cancels every job this page follows
+    wait_for("all cancelled", lambda: all(job(app, j["id"])["status"] in ("cancelled", "succeeded")
+                                          for j in new + batch), timeout=60)
+    fill(page, "batch-count", 1)
+
+
+def test_preset_state_is_the_servers_in_every_tab(browser, page, app):  # noqa: F811
+    second = open_page(browser, app)
+    try:
+        page.get_by_role("tab", name="Presets").click()
+        page.locator("#presets-pick input").click()
+        page.get_by_role("option", name=PRESET).first.click()
+        page.locator("#presets-apply").click()
+        expect(page.locator("#presets-status")).to_contain_text(f"applied {PRESET}")
+        # the other tab follows: badge, picker and the preset's sampling defaults
+        expect(second.locator("#fused-badge")).to_contain_text(f"fused: {PRESET}")
+        second.locator("#gen-preset").get_by_text("Preset (distill").first.click()
+        expect(second.locator("#gen-preset-pick input")).to_have_value(PRESET)
+        expect(second.locator("#field-num_inference_steps input")).to_have_value("4")
+        page.get_by_role("tab", name="Generate").click()
+        expect(page.locator("#fused-badge")).to_contain_text(f"fused: {PRESET}")
+        expect(page.locator("#field-num_inference_steps input")).to_have_value("4")
+        page.reload()
+        page.wait_for_selector("#prompt textarea")
+        expect(page.locator("#fused-badge")).to_contain_text(f"fused: {PRESET}")
+        page.locator("#gen-preset").get_by_text("Preset (distill").first.click()
+        expect(page.locator("#gen-preset-pick input")).to_have_value(PRESET)
+        shot(page, "generate-preset-badge")
+        # only presets made for the loaded model are offered
+        page.locator("#gen-preset-pick input").click()
+        options = [o.replace("✓", "").strip() for o in page.get_by_role("option").all_inner_texts()]
+        assert PRESET in options and not any(o.startswith("wan") for o in options), options
+        page.keyboard.press("Escape")
+        page.locator("#prompt textarea").click()  # the picker shows the server's value once it loses focus
+        # restoring the base in the second tab shows in the first
+        second.locator("#gen-preset-pick input").click()
+        second.get_by_role("option", name="(none: base weights)").first.click()
+        second.locator("#gen-preset-apply").click()
+        expect(page.locator("#fused-badge")).to_contain_text("base weights")
+        expect(page.locator("#gen-preset-pick input")).to_have_value("(none: base weights)")
+    finally:
+        second.close()
+
+
+def test_adapter_list_follows_the_library(page, app, lora_files):  # noqa: F811
+    app.add_adapter(lora_files["other"], "live-one")
+
+    def offered():  # no reload: the page's poll brings it within a second or two
+        page.locator("#adapter-pick input").click()
+        option = page.get_by_role("option", name="live-one")
+        try:
+            option.first.wait_for(timeout=2000)
+            return option
+        except playwright.TimeoutError:
+            page.locator("#prompt textarea").click()  # close the list; look again
+            return None
+
+    wait_for("the new adapter to be offered", offered, timeout=60).first.click()
+    page.locator("#adapter-add").click()
+    name0 = page.locator("#stack-name-0 textarea, #stack-name-0 input").first
+    expect(name0).to_have_value("live-one")
+    (app.data_dir / "adapters" / "live-one.safetensors").unlink()
+    expect(page.locator("#gen-note")).to_contain_text("(no longer in the library): live-one")
+    expect(name0).to_be_hidden()
+
+
+def test_pin_is_reported_at_once(page, app, lora_files):  # noqa: F811
+    app.add_adapter(lora_files["style"], "pin-me")
+    page.get_by_role("tab", name="Adapters").click()
+    page.locator("#adapters-refresh").click()
+    page.locator("#adapters-selected input").click()
+    page.get_by_role("option", name="pin-me").first.click()
+    page.locator("#adapters-pin").click()
+    expect(page.locator("#adapters-status")).to_contain_text("pinned pin-me")
+
+    def pinned():
+        row = next(a for a in app.get("v1/loras")["library"] if a["name"] == "pin-me")
+        return row["pinned"]
+
+    wait_for("/v1/loras to report the pin", pinned, timeout=15)
+    expect(page.locator("#adapters-table")).to_contain_text("pinned")
+    page.locator("#adapters-unpin").click()
+    expect(page.locator("#adapters-status")).to_contain_text("unpinned pin-me")
+    wait_for("/v1/loras to report the unpin", lambda: not pinned(), timeout=15)
+
+
+@pytest.mark.parametrize("typed", ["3", "-2.5", "5"])
+def test_typed_weights_are_applied_as_shown(page, app, typed):  # noqa: F811
+    page.locator("#adapter-pick input").click()
+    page.get_by_role("option", name="pin-me").first.click()
+    page.locator("#adapter-add").click()
+    fill(page, "stack-scale-0", typed)
+    time.sleep(0.5)  # the slider settles (beyond -4..4 it shows the bound it keeps)
+    shown = float(page.locator("#stack-scale-0 input[type=number]").input_value())
+    # within the slider's -4..4 a typed weight is kept; beyond it the slider shows its bound, 4
+    assert shown == (float(typed) if abs(float(typed)) <= 4 else 4.0), (typed, shown)
+    fill(page, "prompt", f"weight {typed}")
+    fill(page, "field-num_inference_steps", 2)
+    page.locator("#generate-btn").click()
+    expect(page.locator("#result-metadata")).to_contain_text(f"weight {typed}")
+    done = [j for j in all_jobs(app) if (j.get("params") or {}).get("prompt") == f"weight {typed}"]
+    assert done and done[0]["status"] == "succeeded", done
+    assert done[0]["adapters"][0]["scale"] == shown, (typed, shown, done[0]["adapters"])
+    page.locator("#stack-remove-0").click()
+
+
+def test_seed_minus_one_is_random_and_shown(page, app):  # noqa: F811
+    fill(page, "seed", -1)
+    fill(page, "prompt", "a random seed")
+    fill(page, "field-num_inference_steps", 2)
+    page.locator("#generate-btn").click()
+    expect(page.locator("#result-metadata")).to_contain_text("a random seed")
+    done = next(j for j in all_jobs(app) if (j.get("params") or {}).get("prompt") == "a random seed")
+    seed = done["result"]["metadata"]["seed"]
+    assert done["status"] == "succeeded" and seed >= 0
+    expect(page.locator("#gen-status")).to_contain_text(f"seed {seed}")
+    assert page.locator(".toast-body, .toast-wrap .error").count() == 0
+
+
+def test_typed_model_says_how_to_get_one(page):
+    box = page.locator("#model-picker input")
+    box.fill("someorg/somemodel")
+    box.press("Enter")
+    expect(page.locator("#gen-note")).to_contain_text("huggingface-cli download")
+    expect(page.locator("#gen-note")).to_contain_text("python app.py serve")
+
+
+def test_queue_table_shows_prompt_created_took_and_error(page, app):  # noqa: F811
+    page.get_by_role("tab", name="Queue").click()
+    table = page.locator("#queue-table")
+    for header in ("prompt", "created", "took", "error"):
+        expect(table.get_by_role("columnheader", name=header, exact=True).first).to_be_visible()
+    expect(table).to_contain_text("a random seed")
+
+
+def test_lora_tag_in_the_prompt_equals_the_stack(page, app):  # noqa: F811
+    import numpy as np
+    from PIL import Image
+
+    def generate_and_wait(prompt: str) -> dict:
+        before = {j["id"] for j in all_jobs(app)}
+        fill(page, "prompt", prompt)
+        page.locator("#generate-btn").click()
+        new = wait_for("the job", lambda: [j for j in all_jobs(app) if j["id"] not in before
+                                           and j["status"] in ("succeeded", "failed", "cancelled")])
+        assert new[0]["status"] == "succeeded", new[0]
+        return new[0]
+
+    fill(page, "seed", 5)
+    fill(page, "field-num_inference_steps", 2)
+    page.locator("#adapter-pick input").click()
+    page.get_by_role("option", name="pin-me").first.click()
+    page.locator("#adapter-add").click()
+    fill(page, "stack-scale-0", "0.5")
+    stacked = generate_and_wait("a tagged cat")
+    page.locator("#stack-remove-0").click()
+    tagged = generate_and_wait("a tagged cat <lora:pin-me:0.5>")
+    assert tagged["params"]["prompt"] == "a tagged cat"  # the tag never reaches the text encoder
+    assert [(a["name"], a["scale"]) for a in tagged["adapters"]] == [("pin-me", 0.5)]
+    pixels = [np.asarray(Image.open(j["result"]["path"])) for j in (stacked, tagged)]
+    assert np.array_equal(*pixels)
+    base = generate_and_wait("a tagged cat")  # and the adapter does change the image
+    assert not np.array_equal(pixels[0], np.asarray(Image.open(base["result"]["path"])))
+
+    fill(page, "prompt", "a cat <lora:no-such-adapter:1>")
+    page.locator("#generate-btn").click()
+    expect(page.locator("#gen-note")).to_contain_text("no adapter named 'no-such-adapter'")
+
+
+def test_delete_asks_first_and_keys_generate_and_cancel(page, app, lora_files):  # noqa: F811
+    app.add_adapter(lora_files["other"], "delete-me")
+    path = app.data_dir / "adapters" / "delete-me.safetensors"
+    page.get_by_role("tab", name="Adapters").click()
+    page.locator("#adapters-refresh").click()
+    page.locator("#adapters-selected input").click()
+    page.get_by_role("option", name="delete-me").first.click()
+    page.once("dialog", lambda d: d.dismiss())
+    page.locator("#adapters-delete").click()
+    expect(page.locator("#adapters-status")).to_contain_text("nothing deleted")
+    assert path.exists()
+    page.once("dialog", lambda d: d.accept())
+    page.locator("#adapters-delete").click()
+    expect(page.locator("#adapters-status")).to_contain_text("deleted delete-me")
+    assert not path.exists()
+
+    page.get_by_role("tab", name="Generate").click()
+    fill(page, "field-num_inference_steps", 1000)
+    fill(page, "field-height", 256)
+    fill(page, "field-width", 256)
+    before = {j["id"] for j in all_jobs(app)}
+    page.locator("#prompt textarea").fill("by keyboard")
+    page.locator("#prompt textarea").press("Control+Enter")
+    new = wait_for("Ctrl+Enter to queue a job", lambda: [j for j in all_jobs(app) if j["id"] not in before],
+                   timeout=30)
+    expect(page.locator(f'#gen-status .ls-job[data-job="{new[0]["id"]}"]')).to_be_visible()
+    page.keyboard.press("Escape")
+    wait_for("Esc to cancel it", lambda: job(app, new[0]["id"])["status"] == "cancelled", timeout=30)
