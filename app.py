@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-cpu-loras", type=int, default=16, metavar="N", help="adapters held in CPU memory")
     serve.add_argument("--max-queue", type=int, default=256, metavar="N", help="queued jobs before 429")
     limits = serve.add_argument_group("request limits (a request over one is a 400 naming the field; "
-                                      "docs/security-limits.md)")
+                                      "docs/security.md)")
     limits.add_argument("--max-side", type=int, metavar="PX",
                         help="largest height or width (default: per model family, e.g. 2048 for images)")
     limits.add_argument("--max-frames", type=int, metavar="N", help="most video frames (default: per model family)")

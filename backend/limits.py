@@ -4,7 +4,7 @@ Per pipeline family (data: ``FAMILY_LIMITS``): the largest height/width (``max_s
 frames (``max_frames``) and a work budget, height x width x frames x steps (``max_work``).
 Server-wide: prompt length, adapters per request and the running time of one job. Each has a
 ``serve`` flag (``Limits``) that replaces the family's value for every family; a request over a
-bound is a 400 naming the field, before any job row exists. docs/security-limits.md lists them.
+bound is a 400 naming the field, before any job row exists. docs/security.md lists them.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Measure the credential boundary of a real ``app.py serve`` (docs/security-auth.md quotes it).
+"""Measure the credential boundary of a real ``app.py serve`` (docs/security.md quotes it).
 
     python scripts/measure_auth.py [--seconds 5] [--data-dir DIR] [--root TREE]
 
