@@ -45,6 +45,9 @@ def _lora(p: argparse.ArgumentParser) -> None:
                         "(docs/minimax.md)")
     p.add_argument("--offload-stream", action="store_true",
                    help="--offload group: prefetch the next block on a CUDA stream")
+    p.add_argument("--pristine", choices=("auto", "device", "host"), default="auto",
+                   help="peft: where the originals of merged layers live: device (no transfer per switch), "
+                        "host (pinned RAM, copied on a side stream), auto (device when it fits; docs/lora.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +143,7 @@ def cmd_generate(args) -> int:
     omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
                 lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
                 data_dir=args.data_dir, adapter_dirs=args.adapter_dir, offload=args.offload,
-                offload_stream=args.offload_stream)
+                offload_stream=args.offload_stream, pristine=args.pristine)
     if args.preset:
         omni.apply_preset(args.preset)  # fuses its files; its sampling defaults fill unset flags
     fields = {field: getattr(args, flag) for flag, field in GENERATION_FLAGS.items()
@@ -184,7 +187,7 @@ def cmd_serve(args) -> int:
                     preset=args.preset, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                     max_queue=args.max_queue, device=args.device, dtype=args.dtype, engine=args.engine,
                     ray_address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
-                    offload=args.offload, offload_stream=args.offload_stream)
+                    offload=args.offload, offload_stream=args.offload_stream, pristine=args.pristine)
     try:
         studio.start()
         app = create_app(studio, api_key=args.api_key)

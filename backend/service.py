@@ -32,7 +32,8 @@ class Studio:
                  max_cpu_loras: int = 16, max_queue: int = 256, max_overtake: int = 4, device: str | None = None,
                  dtype: str | None = None, worker_threads: int | None = None, db_path=None,
                  engine: str = "local", ray_address: str | None = None, replicas: int = 1,
-                 gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False):
+                 gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False,
+                 pristine: str = "auto"):
         if engine not in ENGINES:
             raise InvalidParameter(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}", param="engine")
         if engine == "ray" and (replicas < 1 or gpus_per_replica < 0):
@@ -59,7 +60,7 @@ class Studio:
             lora_paths=tuple(str(p) for p in lora_paths), lora_scale=float(lora_scale), preset=preset,
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
             adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]), offload=plan.mode,
-            offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)})
+            offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)}, pristine=pristine)
         self.engine = engine
         if engine == "ray":
             from .engines.ray_engine import RayEngineConfig  # imports ray: only for --engine ray
