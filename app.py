@@ -238,6 +238,10 @@ def cmd_adapters(args) -> int:
 
     rows = list_adapters(args.model, args.adapter_dir, args.data_dir)
     print(format_rows(rows) if rows else "no adapters found in the library roots")
+    if args.model:
+        from backend.lora.pristine import describe
+
+        print(describe(args.model, args.data_dir))
     return 0
 
 

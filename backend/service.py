@@ -268,6 +268,7 @@ class Studio:
             "device": info.get("device"), "dtype": info.get("dtype"), "lora_backend": self.lora_backend,
             "preset": self.preset, "fused": info.get("fused"), "memory": info.get("memory") or {},
             "cache": _cache_summary(info.get("lora_cache")), "lora_cache": info.get("lora_cache"),
+            "pristine": (info.get("lora_cache") or {}).get("pristine"),
             "queue_depth": counts["queued"], "jobs": counts, "max_queue": self.queue.max_queue,
             "scheduler": self.queue.scheduler_stats(), "seconds_per_step": info.get("seconds_per_step"),
             "worker": {"pid": sup.pid, "ready": sup.ready, "restarts": sup.restarts, "deaths": sup.deaths[-10:],
@@ -372,6 +373,10 @@ def _cache_summary(stats: dict | None) -> dict:
             if k in t:
                 out[f"{tier}_{k}"] = t[k]
     out.update({k: v for k, v in (stats.get("counters") or {}).items()})
+    pristine = stats.get("pristine") or {}
+    if pristine:  # the peft engine's originals: how much, and where (--pristine)
+        out["pristine_bytes"] = pristine.get("bytes")
+        out["pristine_where"] = pristine.get("where")
     return out
 
 

@@ -168,3 +168,13 @@ def test_a_merge_that_overflows_is_refused_by_name_and_the_base_stays(server, da
         assert np.array_equal(_image(url, lora={"path": FILM}), _image(url, lora={"path": FILM}))
     finally:
         path.unlink()
+
+
+def test_metrics_report_where_the_originals_live(server):
+    studio, url = server
+    _image(url, lora={"path": INK})
+    m = httpx.get(f"{url}/metrics").json()
+    p = m["pristine"]
+    assert p["mode"] == "auto" and p["placement"] == "device" and p["where"].startswith("device (cpu")
+    assert 0 < p["bytes"] <= p["targetable_bytes"] and "cpu" in p["reason"]
+    assert m["cache"]["pristine_bytes"] == p["bytes"] and m["cache"]["pristine_where"] == p["where"]

@@ -214,3 +214,12 @@ def test_start_is_refused_in_one_line_when_host_ram_cannot_hold_the_originals(co
     lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
     assert "pristine copies" in lines[-1] and "--lora-backend distill" in lines[-1], r.stderr
     assert len([line for line in lines if "Traceback" in line]) == 0, r.stderr
+
+
+def test_adapters_command_reports_the_originals_budget(data_dir):
+    r = subprocess.run([sys.executable, "app.py", "adapters", "--model", "demo:qwen-image"], cwd=ROOT,
+                       env={**os.environ, "LORA_STUDIO_HOME": str(data_dir)}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("pristine originals (peft engine): up to ") and "--pristine auto keeps them" in last

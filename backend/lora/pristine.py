@@ -111,6 +111,24 @@ def check_host_memory(placement: str, denoisers: dict[str, torch.nn.Module]) -> 
         param="pristine")
 
 
+def describe(model_id: str, data_dir=None) -> str:
+    """One line for ``app.py adapters --model M``: how much the originals can take and where auto puts them."""
+    from .library import denoiser_skeletons
+
+    _, skeletons = denoiser_skeletons(model_id, data_dir)
+    need = targetable_bytes(skeletons)
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        where = ("on the GPU" if need <= free - DEVICE_HEADROOM * total else "in pinned host memory") + \
+            f" ({size(free)} free on the GPU now)"
+    else:
+        where = "with the model, in host memory (no GPU)"
+    available = available_host_memory()
+    ram = f"; host RAM available: {size(available)}" if available is not None else ""
+    return (f"pristine originals (peft engine): up to {size(need)} for the targetable layers of {model_id}; "
+            f"--pristine auto keeps them {where}{ram}")
+
+
 class PristineStore:
     """Originals of the tensors a switch writes, keyed (component, parameter name)."""
 
