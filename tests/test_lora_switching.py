@@ -223,3 +223,16 @@ def test_adapters_command_reports_the_originals_budget(data_dir):
     assert r.returncode == 0, r.stderr
     last = r.stdout.strip().splitlines()[-1]
     assert last.startswith("pristine originals (peft engine): up to ") and "--pristine auto keeps them" in last
+
+
+def test_gpu_check_script_dry_run_on_cpu(data_dir):
+    """scripts/gpu_check_switch.py with tiny sizes: every model and placement, one table, exact restores."""
+    r = subprocess.run([sys.executable, "scripts/gpu_check_switch.py", "--device", "cpu", "--dry-run"], cwd=ROOT,
+                       env={**os.environ, "LORA_STUDIO_HOME": str(data_dir)}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith(("qwen-image ", "wan2.2-a14b "))]
+    assert len(rows) == 4 and all(line.rstrip().endswith("yes") for line in rows), r.stdout
+    assert {"device [device (cpu)]", "host [host (cpu)]"} <= {line.split("  ")[1].strip() for line in rows} or \
+        all(("device [" in line) or ("host [" in line) for line in rows)
+    assert "Qwen-Image-2512 Lightning" in r.stdout and "Wan2.2 A14B" in r.stdout
