@@ -385,10 +385,12 @@ class LoRAEngine:
     def _finite_flag(self, comp: str, module: str, contributions):
         if not contributions:
             return None
-        flag = torch.isfinite(self._params[comp][f"{module}.weight"]).all()
+        # one read pass, no temporary: a float64 sum is finite iff every element is (an inf or nan
+        # anywhere makes it inf/nan; finite bf16/fp32 values cannot overflow a float64 sum)
+        flag = torch.isfinite(self._params[comp][f"{module}.weight"].sum(dtype=torch.float64))
         bias = self._params[comp].get(f"{module}.bias")
         if bias is not None and (comp, f"{module}.bias") in self.pristine:
-            flag = flag & torch.isfinite(bias).all()
+            flag = flag & torch.isfinite(bias.sum(dtype=torch.float64))
         return flag
 
     def _check_finite(self, comp: str, module: str, contributions, sync: bool) -> None:
