@@ -75,7 +75,9 @@ class _NonFinite(Exception):
 
 
 def identity_of(entry: LoadedAdapter) -> Identity:
-    return (str(_resolved(entry.record.file)), entry.record.sha256)
+    if entry.identity is None:
+        entry.identity = (str(_resolved(entry.record.file)), entry.record.sha256)
+    return entry.identity
 
 
 class LoRAEngine:
@@ -102,6 +104,7 @@ class LoRAEngine:
         self._active_meta: list[dict] = []
         self._ids: dict[int, Identity] = {}  # lora_int_id -> identity
         self._names: dict[str, Identity] = {}  # lora_name -> identity
+        self._paths: dict[Identity, set[str]] = {}  # identity -> resolved paths it was named by
         self.preloaded: list[LoRARequest] = []  # pinned at start (Omni(lora_path=...))
         self._lock = threading.RLock()
         self.counters = {"activations": 0, "noop_activations": 0, "switches": 0, "layers_written": 0,
@@ -150,10 +153,9 @@ class LoRAEngine:
         if by_id is not None and by_id not in self.cache.cpu:
             by_id = None
         if request.lora_path:
+            wanted = self._resolve(request.lora_path)
             for key in self.cache.cpu.keys():
-                entry = self.cache.cpu._entries[key].value
-                if _same_path(request.lora_path, entry.record.path) or _same_path(request.lora_path,
-                                                                                  entry.record.file):
+                if wanted in self._paths.get(key, ()):
                     if by_id is not None and by_id != key:
                         self._refuse_id(request, by_id)
                     return key
@@ -170,13 +172,23 @@ class LoRAEngine:
         raise AdapterError(f"lora_int_id {request.lora_int_id} is already adapter {entry.name!r} at "
                            f"{entry.record.path}; use another id for {request.lora_path}", param="lora_int_id")
 
+    @staticmethod
+    def _resolve(path) -> str:
+        return str(_resolved(path))  # once per request (symlinks may change between requests)
+
     def _register(self, request: LoRARequest, key: Identity, pin: bool) -> None:
+        entry = self.cache.cpu._entries[key].value if key in self.cache.cpu else None
+        if entry is not None and key not in self._paths:
+            if len(self._paths) > 2 * self.cache.cpu.capacity:  # drop what the CPU tier evicted
+                self._paths = {k: v for k, v in self._paths.items() if k in self.cache.cpu}
+            self._paths[key] = {key[0], str(_resolved(entry.record.path))}
         self._ids[request.lora_int_id] = key
         self._names[request.lora_name] = key
         if pin:
             self.cache.pinned.add(key)
 
     def _forget(self, key: Identity) -> None:
+        self._paths.pop(key, None)
         for table in (self._ids, self._names):
             for k in [k for k, v in table.items() if v == key]:
                 del table[k]
