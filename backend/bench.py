@@ -235,7 +235,7 @@ class LoraBench:
             state["low"] = n + 1
 
         for fn in (ours_switch, resident_switch, hot_switch, low_switch):
-            fn(0)
+            fn(1)  # round 0 then switches to adapter 0: every timed call is a real switch
         for m in (base_model, ours_model, resident, hot, low):
             self.forward(m)  # warm-up
         before = dict(engine.counters)
@@ -285,7 +285,7 @@ class LoraBench:
 
             reqs = [LoRARequest(f"w{width}-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
             engine.activate([(reqs[0], 1.0)])
-            engine.activate([(reqs[1], 1.0)])
+            engine.activate([(reqs[1], 1.0)])  # round 0 switches back to 0
             before = dict(engine.counters)
             t = _rotated({"s": lambda i: engine.activate([(reqs[i % 2], 1.0)])}, a.rounds)["s"]
             nbytes = (engine.counters["bytes_written"] - before["bytes_written"]) / a.rounds

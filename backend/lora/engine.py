@@ -62,6 +62,7 @@ class _DeviceFactors:
     b: torch.Tensor
     bias: torch.Tensor | None
     scaling: float
+    bound: float = math.inf  # r * max|B| * max|A| (+ max|bias|): no element of B @ A is larger
 
 
 class _LayerWriteFailed(Exception):
@@ -99,6 +100,7 @@ class LoRAEngine:
         self.targetable_bytes = pristine_mod.targetable_bytes(self.denoisers)
         self._params = {c: dict(m.named_parameters()) for c, m in self.denoisers.items()}
         # (component, module) -> contribution key currently merged there
+        self._w0_amax: dict[tuple[str, str], float] = {}  # largest |element| of each original (and bias)
         self._merged: dict[tuple[str, str], tuple] = {}
         self._active_key: tuple = ()
         self._active_meta: list[dict] = []
@@ -280,6 +282,7 @@ class LoRAEngine:
                 yield
             finally:
                 self.pristine.clear()
+                self._w0_amax.clear()
                 self._merged.clear()
 
     @property
@@ -395,8 +398,20 @@ class LoRAEngine:
                 bias.data.copy_(acc)
 
     def _finite_flag(self, comp: str, module: str, contributions):
+        """None when the result is finite by construction, else a device bool to read.
+
+        |W| <= max|W0| + sum_i |c_i| r_i max|B_i| max|A_i| elementwise; when that bound (with a
+        factor 2 for rounding) stays below the dtype's largest value, no element can be inf or
+        nan and nothing is read. Otherwise (an Infinity alpha, factors of 1e30...) the written
+        weight is checked."""
         if not contributions:
             return None
+        weight = self._params[comp][f"{module}.weight"]
+        w0 = self._w0_amax.get((comp, module))
+        if w0 is not None:
+            bound = w0 + sum(abs(s * f.scaling) * f.bound for f, s, _ in contributions)
+            if bound < 0.5 * torch.finfo(weight.dtype).max:
+                return None
         # one read pass, no temporary: a float64 sum is finite iff every element is (an inf or nan
         # anywhere makes it inf/nan; finite bf16/fp32 values cannot overflow a float64 sum)
         flag = torch.isfinite(self._params[comp][f"{module}.weight"].sum(dtype=torch.float64))
@@ -427,9 +442,14 @@ class LoRAEngine:
         """Copy, before their first write, exactly the tensors this switch will write."""
         for comp, module, contributions in work:
             params = self._params[comp]
-            self.pristine.capture((comp, f"{module}.weight"), params[f"{module}.weight"])
+            if (comp, f"{module}.weight") not in self.pristine:
+                self.pristine.capture((comp, f"{module}.weight"), params[f"{module}.weight"])
+                self._w0_amax[(comp, module)] = _amax(params[f"{module}.weight"])
             if any(f.bias is not None for f, _, _ in contributions) and f"{module}.bias" in params:
-                self.pristine.capture((comp, f"{module}.bias"), params[f"{module}.bias"])
+                if (comp, f"{module}.bias") not in self.pristine:
+                    self.pristine.capture((comp, f"{module}.bias"), params[f"{module}.bias"])
+                    self._w0_amax[(comp, module)] = max(self._w0_amax[(comp, module)],
+                                                        _amax(params[f"{module}.bias"]))
 
     def _rollback(self, layers) -> None:
         for comp, module in layers:
@@ -452,11 +472,13 @@ class LoRAEngine:
                     for module, f in binding.layers.items():
                         weight = self._params[comp][f"{module}.weight"]
                         bias = f.tensors.get("lora_B.bias")
+                        fa, fb = f.tensors["lora_A.weight"], f.tensors["lora_B.weight"]
+                        bound = fa.shape[0] * _amax(fa) * _amax(fb) + (0.0 if bias is None else _amax(bias))
                         factors[(comp, module)] = _DeviceFactors(
                             a=f.tensors["lora_A.weight"].to(weight.device, weight.dtype).contiguous(),
                             b=f.tensors["lora_B.weight"].to(weight.device, weight.dtype).contiguous(),
                             bias=None if bias is None else bias.to(weight.device, weight.dtype),
-                            scaling=f.scaling)
+                            scaling=f.scaling, bound=bound)
                 nbytes = sum(t.numel() * t.element_size() for d in factors.values()
                              for t in (d.a, d.b, d.bias) if t is not None)
                 self.cache.device.put(key, factors, nbytes, keep=keep)
@@ -516,6 +538,14 @@ def _stacked(contributions, dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
         return torch.cat([f.b for f, _, _ in contributions], dim=1), a, coeffs[0]
     b = torch.cat([(f.b.float() * c).to(dtype) for (f, _, _), c in zip(contributions, coeffs)], dim=1)
     return b, a, 1.0
+
+
+def _amax(t: torch.Tensor) -> float:
+    """Largest |element| as a Python float (inf when any element is not finite)."""
+    if t.numel() == 0:
+        return 0.0
+    v = float(torch.linalg.vector_norm(t.detach(), ord=math.inf))  # exact in any dtype: a max, no sum
+    return v if math.isfinite(v) else math.inf
 
 
 def _finite(value) -> float:
