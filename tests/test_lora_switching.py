@@ -236,3 +236,16 @@ def test_gpu_check_script_dry_run_on_cpu(data_dir):
     assert sum(" device [device (cpu)]" in line for line in rows) == 2, r.stdout
     assert sum(" host [host (cpu)]" in line for line in rows) == 2, r.stdout
     assert "Qwen-Image-2512 Lightning" in r.stdout and "Wan2.2 A14B" in r.stdout
+
+
+def test_unloading_an_alias_keeps_the_pinned_entry(library, data_dir):
+    """A request's id for a pre-loaded file is an alias: unloading it (as the Ray host does after a job)
+    leaves the pinned entry; unloading by the pinned name drops it."""
+    p = library / NEON
+    omni = Omni(model="demo:qwen-image", lora_path=str(p), data_dir=data_dir, device="cpu")
+    engine = omni.lora
+    engine.load(LoRARequest("preloaded", 1, str(p)))
+    engine.unload(1)
+    assert engine.stats()["pinned"] == ["qwen-image-neon-peft"] and engine.stats()["tiers"]["cpu"]["size"] == 1
+    engine.unload("qwen-image-neon-peft")
+    assert engine.stats()["pinned"] == [] and engine.stats()["tiers"]["cpu"]["size"] == 0

@@ -107,6 +107,7 @@ class LoRAEngine:
         self._ids: dict[int, Identity] = {}  # lora_int_id -> identity
         self._names: dict[str, Identity] = {}  # lora_name -> identity
         self._paths: dict[Identity, set[str]] = {}  # identity -> resolved paths it was named by
+        self._pinned_as: dict[Identity, set] = {}  # identity -> the ids and names it was pinned under
         self.preloaded: list[LoRARequest] = []  # pinned at start (Omni(lora_path=...))
         self._lock = threading.RLock()
         self.counters = {"activations": 0, "noop_activations": 0, "switches": 0, "layers_written": 0,
@@ -137,7 +138,9 @@ class LoRAEngine:
             self.counters["loads_from_disk"] += 1
             new = identity_of(loaded)
             if cached is not None and key != new:  # rewritten: the old content goes, its pin moves over
-                pin = pin or key in self.cache.pinned
+                if key in self.cache.pinned:
+                    pin = True
+                    self._pinned_as.setdefault(new, set()).update(self._pinned_as.pop(key, ()))
                 self.cache.drop(key)
                 self._forget(key)
             existing = self.cache.cpu.get(new)
@@ -188,6 +191,7 @@ class LoRAEngine:
         self._names[request.lora_name] = key
         if pin:
             self.cache.pinned.add(key)
+            self._pinned_as.setdefault(key, set()).update((request.lora_int_id, request.lora_name))
 
     def _forget(self, key: Identity) -> None:
         self._paths.pop(key, None)
@@ -205,17 +209,26 @@ class LoRAEngine:
             self.load(request)
 
     def unload(self, name_or_id) -> None:
-        """Forget an adapter (both tiers, pin included). Its merged weights stay until the next switch."""
+        """Forget an adapter (both tiers, pin included). Its merged weights stay until the next switch.
+
+        A pinned adapter unloaded by another id or name than it was pinned under (a request's alias
+        for a pre-loaded file) only loses that alias: the pin and its entry stay."""
         with self._lock:
             key = self._key_of(name_or_id)
+            if key in self.cache.pinned and name_or_id not in self._pinned_as.get(key, ()):
+                table = self._ids if isinstance(name_or_id, int) else self._names
+                table.pop(name_or_id, None)
+                return
             self.cache.drop(key)
             self._forget(key)
+            self._pinned_as.pop(key, None)
 
     def unpin(self, name_or_id) -> None:
         """Let an adapter be evicted again (it stays cached until then)."""
         with self._lock:
             key = self._key_of(name_or_id)
             self.cache.pinned.discard(key)
+            self._pinned_as.pop(key, None)
 
     def find(self, name: str) -> LoadedAdapter | None:
         with self._lock:
