@@ -55,6 +55,9 @@ def _lora(p: argparse.ArgumentParser) -> None:
                         "(docs/minimax.md)")
     p.add_argument("--offload-stream", action="store_true",
                    help="--offload group: prefetch the next block on a CUDA stream")
+    p.add_argument("--pristine", choices=("auto", "device", "host"), default="auto",
+                   help="peft: where the originals of merged layers live: device (no transfer per switch), "
+                        "host (pinned RAM, copied on a side stream), auto (device when it fits; docs/lora.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,7 +192,7 @@ def cmd_generate(args) -> int:
     omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
                 lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
                 data_dir=args.data_dir, adapter_dirs=args.adapter_dir, offload=args.offload,
-                offload_stream=args.offload_stream)
+                offload_stream=args.offload_stream, pristine=args.pristine)
     spec = getattr(omni.manager, "spec", None)
     if args.output and spec is not None:  # an image model cannot write .mp4, nor a video model .png
         check_suffix(args.output, video=str(spec.output).startswith("video"))
@@ -256,7 +259,8 @@ def cmd_serve(args) -> int:
                     preset=args.preset, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                     max_queue=args.max_queue, device=args.device, dtype=args.dtype, engine=args.engine,
                     ray_address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
-                    offload=args.offload, offload_stream=args.offload_stream, limits=limits)
+                    offload=args.offload, offload_stream=args.offload_stream, limits=limits,
+                    pristine=args.pristine)
     try:
         studio.start()
         app = create_app(studio, api_key=args.api_key, login=args.auth,  # one gate for API and UI
@@ -308,6 +312,10 @@ def cmd_adapters(args) -> int:
 
     rows = list_adapters(args.model, args.adapter_dir, args.data_dir)
     print(format_rows(rows) if rows else "no adapters found in the library roots")
+    if args.model:
+        from backend.lora.pristine import describe
+
+        print(describe(args.model, args.data_dir))
     return 0
 
 

@@ -38,6 +38,7 @@ class WorkerConfig:
     adapter_dirs: tuple = ()
     offload: str = "none"  # MiniMax-H3: none | model | group (backend/minimax/offload.py)
     offload_stream: bool = False
+    pristine: str = "auto"  # peft: where the originals of merged layers live (backend/lora/pristine.py)
     threads: int | None = None  # torch CPU threads (None: torch's default)
     env: dict = field(default_factory=dict)
 
@@ -92,7 +93,8 @@ class _Worker:
         except ImportError:  # the PEFT backend is not installed in this build: base model only
             return
         self.engine = attach(self.manager, max_loras=self.config.max_loras,
-                             max_cpu_loras=self.config.max_cpu_loras, preload=list(preload))
+                             max_cpu_loras=self.config.max_cpu_loras, preload=list(preload),
+                             pristine=self.config.pristine)
 
     def info(self) -> dict:
         import torch
@@ -213,7 +215,7 @@ class _Worker:
         elif msg["pinned"]:  # read it into the CPU tier now and keep it there
             self.engine.load(LoRARequest(msg["name"], int(msg["int_id"]), msg["path"]), pin=True)
         else:
-            self.engine.cache.pinned.discard(int(msg["int_id"]))
+            self.engine.unpin(int(msg["int_id"]))
 
 
 def main(conn, cancel, config: WorkerConfig) -> None:

@@ -18,12 +18,15 @@ from .request import LoRARequest
 PRELOAD_ID_BASE = 1 << 30
 
 
-def attach(manager, *, max_loras: int = 4, max_cpu_loras: int = 16, preload=None):
-    """Give ``manager`` a LoRA engine for its loaded pipeline; pre-load and pin ``preload`` paths."""
+def attach(manager, *, max_loras: int = 4, max_cpu_loras: int = 16, preload=None, pristine: str = "auto"):
+    """Give ``manager`` a LoRA engine for its loaded pipeline; pre-load and pin ``preload`` paths.
+
+    ``pristine`` (auto | device | host) says where the originals of written layers live
+    (``backend.lora.pristine``)."""
     from .engine import LoRAEngine
 
     engine = LoRAEngine(manager.pipeline, manager.denoisers(), model=manager.model_id or "model",
-                        max_loras=max_loras, max_cpu_loras=max_cpu_loras)
+                        max_loras=max_loras, max_cpu_loras=max_cpu_loras, pristine=pristine)
     paths = [preload] if isinstance(preload, (str, Path)) else list(preload or [])
     for i, path in enumerate(paths):
         p = Path(path)
