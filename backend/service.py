@@ -32,7 +32,8 @@ class Studio:
                  max_cpu_loras: int = 16, max_queue: int = 256, max_overtake: int = 4, device: str | None = None,
                  dtype: str | None = None, worker_threads: int | None = None, db_path=None,
                  engine: str = "local", ray_address: str | None = None, replicas: int = 1,
-                 gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False):
+                 gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False,
+                 lora_mode: str | None = None, lora_prefetch: int = 2):
         if engine not in ENGINES:
             raise InvalidParameter(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}", param="engine")
         if engine == "ray" and (replicas < 1 or gpus_per_replica < 0):
@@ -41,6 +42,12 @@ class Studio:
         if lora_backend not in LORA_BACKENDS:
             raise InvalidParameter(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {lora_backend!r}",
                                    param="lora_backend")
+        if lora_mode is not None:
+            from .lora.policy import check_mode
+
+            check_mode(lora_mode, "lora_mode")
+        if lora_prefetch < 0:
+            raise InvalidParameter(f"--lora-prefetch must be >= 0, got {lora_prefetch}", param="lora_prefetch")
         plan = offload_policy.check(offload, stream=offload_stream)  # the flags, before a worker starts
         offload_policy.check_engine(plan, engine)
         self.data_dir = settings.data_dir(data_dir)
@@ -59,7 +66,8 @@ class Studio:
             lora_paths=tuple(str(p) for p in lora_paths), lora_scale=float(lora_scale), preset=preset,
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
             adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]), offload=plan.mode,
-            offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)})
+            offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)}, lora_mode=lora_mode,
+            lora_prefetch=lora_prefetch)
         self.engine = engine
         if engine == "ray":
             from .engines.ray_engine import RayEngineConfig  # imports ray: only for --engine ray

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ class _LayerWriteFailed(Exception):
 
 class LoRAEngine:
     def __init__(self, pipeline, denoisers: dict[str, torch.nn.Module], *, model: str = "model",
-                 max_loras: int = 4, max_cpu_loras: int = 16):
+                 max_loras: int = 4, max_cpu_loras: int = 16, lora_mode: str | None = None):
         if max_cpu_loras < max_loras:
             raise InvalidParameter(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})",
                                    param="max_cpu_loras")
@@ -75,6 +76,9 @@ class LoRAEngine:
         self._lock = threading.RLock()
         self.counters = {"activations": 0, "noop_activations": 0, "switches": 0, "layers_written": 0,
                          "loads_from_disk": 0, "aliases": 0, "reloads_stale": 0, "rollbacks": 0}
+        # merge or unfused by cost (backend/lora/unfused.py, backend/lora/policy.py)
+        from .unfused import UnfusedServing
+        self.unfused = UnfusedServing(self, lora_mode)
 
     # -- loading (CPU; never touches the model) -------------------------------------------------
     def load(self, request: LoRARequest, *, pin: bool = False) -> LoadedAdapter:
@@ -151,10 +155,12 @@ class LoRAEngine:
             return [self.cache.cpu._entries[k].value for k in self.cache.cpu.keys()]
 
     # -- activation -------------------------------------------------------------------------------
-    def activate(self, adapters) -> list[dict]:
+    def activate(self, adapters, *, steps=None, mode=None, queued_same: int = 0) -> list[dict]:
         """Make exactly ``adapters`` (list of (LoRARequest, scale)) active; [] is the base model.
 
         Returns the metadata of what is active: name, id, path, sha256, format, scale.
+        ``steps``, ``mode`` ("auto" | "merge" | "unfused") and ``queued_same`` feed the
+        merge-or-unfused policy (``self.unfused.last_decision`` says what it chose).
         """
         adapters = list(adapters or [])
         with self._lock:
@@ -169,11 +175,18 @@ class LoRAEngine:
                 if any(s != 0.0 for s in scales.values()):
                     loaded.append((entry, scales))
             key = tuple((e.int_id, e.stamp, tuple(sorted(s.items()))) for e, s in loaded)
+            # -- merge or unfused (backend/lora/unfused.py): served unfused = hooks, no weight write --
+            if self.unfused.serve(loaded, key, steps=steps, mode=mode, queued_same=queued_same):
+                return [dict(m) for m in self._active_meta]
+            # -- end merge or unfused --
             if key == self._active_key:
                 self.counters["noop_activations"] += 1
                 return [dict(m) for m in self._active_meta]
             plan = self._plan(loaded)
+            started, written = time.perf_counter(), self.counters["layers_written"]  # -- unfused: timing
             self._apply(plan)
+            if self.counters["layers_written"] != written:  # -- unfused: the policy's measured bandwidth
+                self.unfused.observe_merge(time.perf_counter() - started)
             self._active_key = key
             self._active_meta = [self._meta(e, s) for e, s in loaded]
             self.counters["switches"] += 1
@@ -387,7 +400,8 @@ class LoRAEngine:
             tiers["cpu"]["adapters"] = [names[k] for k in self.cache.cpu.keys()]
             return {"tiers": tiers, "pinned": sorted(names.get(k, str(k)) for k in self.cache.pinned),
                     "active": self.active, "counters": dict(self.counters),
-                    "merged_layers": len(self._merged), "pristine_bytes": self.pristine_bytes()}
+                    "merged_layers": len(self._merged), "pristine_bytes": self.pristine_bytes(),
+                    "unfused": self.unfused.stats()}
 
 
 def _finite(value) -> float:
