@@ -129,9 +129,13 @@ class Studio:
     def _check_params(self, params: dict, model: str | None) -> dict:
         """Reject what the loaded model's spec refuses now (an HTTP 400), before the job is queued."""
         params = {k: v for k, v in params.items() if v is not None}
+        if "lora_mode" in params:  # per request: merge or unfused (backend/lora/policy.py; the worker pops it)
+            from .lora.policy import check_mode
+
+            check_mode(params["lora_mode"])
         spec = (self.supervisor.info or {}).get("spec")
         if spec and (model is None or model == self.current_model()):
-            unknown = sorted(k for k in params if k not in spec["fields"])
+            unknown = sorted(k for k in params if k not in spec["fields"] and k != "lora_mode")
             if unknown:
                 raise InvalidParameter(
                     f"unknown field {unknown[0]!r} for {spec['pipeline']}; accepted fields: "

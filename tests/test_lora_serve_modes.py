@@ -74,6 +74,13 @@ def test_metadata_says_unfused_and_the_base_comes_back(server):
     assert stats["merged_layers"] == 0 and stats["unfused"]["hooked_layers"] > 0  # hooks, no weight written
     again = generate(server)
     assert np.array_equal(again["image"], base["image"]) and "lora_mode" not in again  # the base, bit for bit
+    # a request field overrides the server's --lora-mode
+    merged = generate(server, lora={"path": INK, "scale": 1.0}, lora_mode="merge")
+    assert [a["mode"] for a in merged["adapters"]] == ["merged"] and merged["lora_mode"]["requested"] == "merge"
+    assert np.abs(merged["image"].astype(int) - ink["image"]).max() <= 1  # the same image, to uint8 rounding
+    r = httpx.post(f"{server}/v1/images/generations", timeout=120,
+                   json={"prompt": "x", "num_inference_steps": 2, "lora_mode": "fused"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_mode", r.text
 
 
 def test_prefetch_reads_the_next_jobs_adapter_while_one_renders(server):
