@@ -171,6 +171,10 @@ class PipelineManager:
 
                 return generate_for_manager(self, request, adapters=adapters, defaults=defaults,
                                             on_step=on_step, cancel=cancel)
+            if "lora_mode" in request:  # a request field (HTTP): merge or unfused, not a pipeline argument
+                request = dict(request)
+                field = request.pop("lora_mode")
+                lora_mode = field if lora_mode is None else lora_mode
             params = self.validate(request, defaults)
             if adapters and self.lora_engine is None:
                 raise StudioError("this pipeline manager has no LoRA engine attached (backend.lora.attach)",

@@ -149,9 +149,8 @@ def test_unfused_per_expert_scales_on_wan22(library, managers):
     assert sums(m) == base_sums
 
 
-def test_auto_picks_by_cost_and_repeat_merges(library, managers):
-    """auto with measured inputs: a short request with a costly switch runs unfused; the same set
-    again (a repeat) is merged once it is cheaper per use; metadata says which ran."""
+def test_auto_picks_by_measured_cost(library, managers):
+    """auto with a measured step time: a costly switch runs unfused, a free one merges; metadata says which."""
     m = managers("demo:sd3.5")
     engine = m.lora_engine
     a = req(library / "sd3.5/sd35-watercolor.safetensors", 1)

@@ -185,10 +185,8 @@ class _Worker:
             self.conn.send(("progress", job["id"], step, total))
 
         reads = self._disk_reads({a[0].lora_int_id for a in adapters})  # waits for a read in flight
-        params = dict(job["params"])
-        lora_mode = params.pop("lora_mode", None)  # per request: auto | merge | unfused (docs/lora.md)
-        result = self.manager.generate(params, adapters=adapters, on_step=on_step, cancel=self.cancel,
-                                       lora_mode=lora_mode, queued_same=int(job.get("queued_same") or 0))
+        result = self.manager.generate(dict(job["params"]), adapters=adapters, on_step=on_step, cancel=self.cancel,
+                                       queued_same=int(job.get("queued_same") or 0))
         result.metadata["job_id"] = job["id"]
         if self.engine is not None:  # this job's own adapter reads from disk (0 when prefetch had them)
             result.metadata["lora_disk_reads"] = self._disk_reads(None) - reads
