@@ -121,6 +121,10 @@ def test_unfused_agrees_with_merged_and_writes_no_weight(dtype, library, manager
     back, meta = image(m, [], None)
     assert sums(m) == base_sums and m.lora_engine.stats()["unfused"]["hooked_layers"] == 0
     assert np.array_equal(back, base) and "lora_mode" not in meta
+    written = m.lora_engine.counters["layers_written"]
+    image(m, stack, "unfused")  # from the base: not one layer written
+    assert m.lora_engine.counters["layers_written"] == written and sums(m) == base_sums
+    m.lora_engine.activate([])
 
 
 def test_unfused_per_expert_scales_on_wan22(library, managers):

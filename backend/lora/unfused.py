@@ -19,8 +19,6 @@ so both modes refuse exactly the same adapters.
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
@@ -49,6 +47,16 @@ class _Hook:
         return output + F.linear(F.linear(x, a), b, bias)
 
 
+class _ForwardCounter:
+    """A forward pre-hook kept on the module itself (no reference to any engine)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, module, args):
+        self.calls += 1
+
+
 class UnfusedServing:
     """The unfused half of a LoRAEngine: the mode policy's inputs, hooks on and off, step timing."""
 
@@ -66,13 +74,17 @@ class UnfusedServing:
         self.last_decision: Decision | None = None
         self.step_s: float | None = None
         self.forwards: float = 1.0
-        self._forward_calls = 0
-        self._count_lock = threading.Lock()
         self._linear_elems = {c: sum(m.in_features * m.out_features for m in d.modules()
                                      if isinstance(m, torch.nn.Linear))
                               for c, d in engine.denoisers.items()}
-        for d in engine.denoisers.values():  # counts denoiser forwards per step (2 with CFG)
-            d.register_forward_pre_hook(self._count_forward)
+        for d in engine.denoisers.values():
+            for m in d.modules():  # hooks an earlier engine on these modules left on: never two at once
+                for hid, hook in list(m._forward_hooks.items()):
+                    if isinstance(hook, _Hook):
+                        m._forward_hooks.pop(hid, None)
+            if not isinstance(getattr(d, "_lora_studio_forwards", None), _ForwardCounter):
+                d._lora_studio_forwards = _ForwardCounter()  # counts denoiser forwards (2 per step with CFG)
+                d.register_forward_pre_hook(d._lora_studio_forwards)
         self.counters = {"merged": 0, "unfused": 0, "hooks_installed": 0}
         self.last_merge: dict | None = None
 
@@ -140,13 +152,8 @@ class UnfusedServing:
         return w.numel() * w.element_size()
 
     # -- measurements -----------------------------------------------------------------------------------
-    def _count_forward(self, module, args):
-        with self._count_lock:
-            self._forward_calls += 1
-
     def forward_calls(self) -> int:
-        with self._count_lock:
-            return self._forward_calls
+        return sum(d._lora_studio_forwards.calls for d in self.engine.denoisers.values())
 
     def observe_run(self, seconds: float, steps, forward_calls: int) -> None:
         """A generation took ``seconds`` for ``steps``: keep the base step time (runs without hooks)."""
