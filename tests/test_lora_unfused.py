@@ -168,3 +168,28 @@ def test_auto_picks_by_measured_cost(library, managers):
     _, meta = image(m, [(a, 1.0)], "auto")
     assert meta["lora_mode"]["mode"] == "merged" and meta["adapters"][0]["mode"] == "merged"
     engine.activate([])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_1000_random_switches_across_both_modes_leave_the_base_bit_exact(dtype, library, managers):
+    import random
+
+    m = managers("demo:qwen-image", str(dtype).replace("torch.", ""))
+    engine = m.lora_engine
+    q = library / "qwen-image"
+    pool = [req(q / "qwen-image-ink-kohya.safetensors", 1), req(q / "qwen-image-film-diffusers.safetensors", 2),
+            req(q / "qwen-image-neon-peft", 3)]
+    base_sums = sums(m)
+    rng = random.Random(0)
+    modes = {"merged": 0, "unfused": 0}
+    for _ in range(1000):
+        chosen = rng.sample(pool, rng.randint(0, 3))
+        engine.activate([(r, rng.choice([0.5, 1.0, -1.5])) for r in chosen],
+                        mode=rng.choice(["merge", "unfused"]))
+        if chosen:
+            modes["unfused" if engine.unfused.active else "merged"] += 1
+        if engine.unfused.active:  # serving unfused: the weights are the base, always
+            assert engine.stats()["merged_layers"] == 0
+    engine.activate([])
+    assert sums(m) == base_sums and engine.stats()["unfused"]["hooked_layers"] == 0
+    assert min(modes.values()) > 300
