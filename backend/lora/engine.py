@@ -39,6 +39,7 @@ import contextlib
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +84,8 @@ def identity_of(entry: LoadedAdapter) -> Identity:
 
 class LoRAEngine:
     def __init__(self, pipeline, denoisers: dict[str, torch.nn.Module], *, model: str = "model",
-                 max_loras: int = 4, max_cpu_loras: int = 16, pristine: str = "auto"):
+                 max_loras: int = 4, max_cpu_loras: int = 16, pristine: str = "auto",
+                 lora_mode: str | None = None):
         if max_cpu_loras < max_loras:
             raise InvalidParameter(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})",
                                    param="max_cpu_loras")
@@ -113,6 +115,9 @@ class LoRAEngine:
         self.counters = {"activations": 0, "noop_activations": 0, "switches": 0, "layers_written": 0,
                          "bytes_written": 0, "loads_from_disk": 0, "aliases": 0, "reloads_stale": 0,
                          "rollbacks": 0, "nonfinite_refused": 0}
+        # merge or unfused by cost (backend/lora/unfused.py, backend/lora/policy.py)
+        from .unfused import UnfusedServing
+        self.unfused = UnfusedServing(self, lora_mode)
 
     # -- loading (CPU; never touches the model) -------------------------------------------------
     def load(self, request: LoRARequest, *, pin: bool = False) -> LoadedAdapter:
@@ -230,6 +235,24 @@ class LoRAEngine:
             self.cache.pinned.discard(key)
             self._pinned_as.pop(key, None)
 
+    def cached_identity(self, request_or_id) -> Identity | None:
+        """The identity of the fresh CPU-tier entry a request (or a lora_int_id) names; None when it
+        is not cached, stale on disk, or the request would be refused. Touches no LRU order."""
+        with self._lock:
+            try:
+                key = self._ids.get(request_or_id) if isinstance(request_or_id, int) else self._lookup(request_or_id)
+            except AdapterError:
+                return None
+            if key is None or key not in self.cache.cpu or self.cache.cpu._entries[key].value.is_stale():
+                return None
+            return key
+
+    def active_identities(self) -> set:
+        """The adapters in use now (merged or served unfused): never to be evicted by a prefetch."""
+        with self._lock:
+            return {ident for ident, _ in self._active_key if isinstance(ident, tuple)} | \
+                {ident for items in self._merged.values() for ident, _ in items}
+
     def find(self, name: str) -> LoadedAdapter | None:
         with self._lock:
             key = self._names.get(name)
@@ -242,12 +265,14 @@ class LoRAEngine:
             return [self.cache.cpu._entries[k].value for k in self.cache.cpu.keys()]
 
     # -- activation -------------------------------------------------------------------------------
-    def activate(self, adapters) -> list[dict]:
+    def activate(self, adapters, *, steps=None, mode=None, queued_same: int = 0) -> list[dict]:
         """Make exactly ``adapters`` (list of (LoRARequest, scale)) active; [] is the base model.
 
         Returns the metadata of what is active (in request order, one row per adapter; an
         adapter named twice appears once with its scales summed): name, id, path, sha256,
-        format, scale.
+        format, scale, mode ("merged" or "unfused").
+        ``steps``, ``mode`` ("auto" | "merge" | "unfused") and ``queued_same`` feed the
+        merge-or-unfused policy (``self.unfused.last_decision`` says what it chose).
         """
         adapters = list(adapters or [])
         with self._lock:
@@ -267,12 +292,20 @@ class LoRAEngine:
                              for ident, (e, s, _) in combined.items() if any(v != 0.0 for v in s.values())),
                             key=lambda item: item[0])
             key = tuple((ident, tuple(sorted(s.items()))) for ident, _, s in loaded)
+            # -- merge or unfused (backend/lora/unfused.py): served unfused = hooks, no weight write --
+            if self.unfused.serve(loaded, key, meta, steps=steps, mode=mode, queued_same=queued_same):
+                return [dict(m) for m in self._active_meta]
+            meta = [{**m, "mode": "merged"} for m in meta]
+            # -- end merge or unfused --
             if key == self._active_key:
                 self.counters["noop_activations"] += 1
                 self._active_meta = meta
                 return [dict(m) for m in meta]
             plan = self._plan(loaded)
+            started, written = time.perf_counter(), self.counters["layers_written"]  # -- unfused: timing
             self._apply(plan, {ident: e for ident, e, _ in loaded})
+            if self.counters["layers_written"] != written:  # -- unfused: the policy's measured bandwidth
+                self.unfused.observe_merge(time.perf_counter() - started)
             self._active_key = key
             self._active_meta = meta
             self.counters["switches"] += 1
@@ -328,30 +361,28 @@ class LoRAEngine:
                     plan.setdefault((comp, module), []).append((ident, s))
         return plan
 
+    def _changed(self, plan) -> list[tuple[str, str]]:
+        """The layers (sorted) whose planned contributions differ from what is merged there now."""
+        return [t for t in sorted(set(plan) | set(self._merged)) if tuple(plan.get(t, ())) != self._merged.get(t, ())]
+
+    @staticmethod
+    def _contributions(plan, target, entries, device_factors) -> list:
+        """One layer's contributions ``(factors, scale, name)`` in the plan's canonical order."""
+        return [(device_factors[ident][target], s, entries[ident].name) for ident, s in plan.get(target, [])]
+
     def _apply(self, plan, entries: dict[Identity, LoadedAdapter]) -> None:
-        targets = set(plan) | set(self._merged)
-        changed = [t for t in sorted(targets) if tuple(plan.get(t, ())) != self._merged.get(t, ())]
+        changed = self._changed(plan)
         if not changed:
             return
         device_factors = self._device_factors(entries)
-        work = []
-        for comp, module in changed:
-            contributions = [(device_factors[ident][(comp, module)], s, entries[ident].name)
-                             for ident, s in plan.get((comp, module), [])]
-            work.append((comp, module, contributions))
+        work = [(comp, module, self._contributions(plan, (comp, module), entries, device_factors))
+                for comp, module in changed]
         self._capture_pristine(work)
         try:
             self._write_all(work)
         except _LayerWriteFailed as failed:
             self._rollback(set(self._merged) | {(c, m) for c, m, _ in work})
-            if isinstance(failed.cause, _NonFinite):
-                self.counters["nonfinite_refused"] += 1
-                raise AdapterError(f"{failed.cause} at {failed.layer}: the merged weight is not finite (inf/nan); "
-                                   "refused, every touched layer was restored and the base model is active",
-                                   param="lora_request") from None
-            raise AdapterError(f"activating adapters failed at {failed.layer} ({failed.cause}); every touched "
-                               "layer was restored and the base model is active",
-                               param="lora_request") from failed.cause
+            raise self._refusal(failed) from (None if isinstance(failed.cause, _NonFinite) else failed.cause)
         for t in changed:
             if t in plan:
                 self._merged[t] = tuple(plan[t])
@@ -360,6 +391,43 @@ class LoRAEngine:
         self.counters["layers_written"] += len(changed)
         self.counters["bytes_written"] += sum(self._params[c][f"{m}.weight"].numel() *
                                               self._params[c][f"{m}.weight"].element_size() for c, m in changed)
+
+    def restore_base(self) -> None:
+        """Put every merged layer back to its pristine original (the merge path's own restore)."""
+        self._apply({}, {})
+
+    def _refusal(self, failed: _LayerWriteFailed) -> AdapterError:
+        """The error for an activation refused at one layer (the base model is active again)."""
+        if isinstance(failed.cause, _NonFinite):
+            self.counters["nonfinite_refused"] += 1
+            return AdapterError(f"{failed.cause} at {failed.layer}: the merged weight is not finite (inf/nan); "
+                                "refused, every touched layer was restored and the base model is active",
+                                param="lora_request")
+        return AdapterError(f"activating adapters failed at {failed.layer} ({failed.cause}); every touched "
+                            "layer was restored and the base model is active", param="lora_request")
+
+    def _unfused_factors(self, comp: str, module: str, contributions) -> tuple:
+        """``(b, a, alpha, bias)`` for serving one layer unfused (``y += alpha * B'(A'x) + bias'``): the
+        merge's own stacked factors (``_stacked``) and bias terms. Raises ``_LayerWriteFailed`` when
+        the delta ``alpha * B'A'`` (+ bias) is not finite; by the factors' bounds that is known
+        without any device work except for absurd factors or scales."""
+        weight = self._params[comp][f"{module}.weight"]
+        b, a, alpha = _stacked(contributions, weight.dtype)
+        terms = list(_bias_terms(contributions))
+        bias = None if not terms else sum(terms[1:], terms[0]).to(weight.dtype)
+        if not self._delta_bound(contributions) < 0.5 * torch.finfo(weight.dtype).max:
+            with torch.no_grad():
+                delta = (torch.mm(b.float(), a.float()) * alpha).to(weight.dtype)
+                ok = bool(torch.isfinite(delta.sum(dtype=torch.float64)))
+                ok = ok and (bias is None or bool(torch.isfinite(bias.sum(dtype=torch.float64))))
+            if not ok:
+                raise _LayerWriteFailed(f"{comp}.{module}", _NonFinite(self._blame(contributions)))
+        return b, a, alpha, bias
+
+    @staticmethod
+    def _delta_bound(contributions) -> float:
+        """No element of the stacked delta (and bias) exceeds sum_i |c_i| r_i max|B_i| max|A_i| (+ max|bias_i|)."""
+        return sum(abs(s * f.scaling) * f.bound for f, s, _ in contributions)
 
     def _write_all(self, work) -> None:
         """Write every layer of a switch; on CPU spread over single-threaded workers, on a GPU in one
@@ -405,9 +473,8 @@ class LoRAEngine:
                 bias = params[b_name]
                 b0 = self.pristine.saved[key].to(bias.device, non_blocking=True)
                 acc = b0.float()
-                for f, s, _ in contributions:
-                    if f.bias is not None:
-                        acc = acc + f.bias.float() * (s * f.scaling)
+                for term in _bias_terms(contributions):
+                    acc = acc + term
                 bias.data.copy_(acc)
 
     def _finite_flag(self, comp: str, module: str, contributions):
@@ -422,7 +489,7 @@ class LoRAEngine:
         weight = self._params[comp][f"{module}.weight"]
         w0 = self._w0_amax.get((comp, module))
         if w0 is not None:
-            bound = w0 + sum(abs(s * f.scaling) * f.bound for f, s, _ in contributions)
+            bound = w0 + self._delta_bound(contributions)
             if bound < 0.5 * torch.finfo(weight.dtype).max:
                 return None
         # one read pass, no temporary: a float64 sum is finite iff every element is (an inf or nan
@@ -535,7 +602,7 @@ class LoRAEngine:
             return {"tiers": tiers, "pinned": sorted(names.get(k, k[0]) for k in self.cache.pinned),
                     "active": self.active, "counters": dict(self.counters),
                     "merged_layers": len(self._merged), "pristine_bytes": self.pristine_bytes(),
-                    "pristine": self.pristine_info()}
+                    "pristine": self.pristine_info(), "unfused": self.unfused.stats()}
 
 
 def _stacked(contributions, dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -551,6 +618,13 @@ def _stacked(contributions, dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
         return torch.cat([f.b for f, _, _ in contributions], dim=1), a, coeffs[0]
     b = torch.cat([(f.b.float() * c).to(dtype) for (f, _, _), c in zip(contributions, coeffs)], dim=1)
     return b, a, 1.0
+
+
+def _bias_terms(contributions):
+    """Each adapter's bias contribution ``bias_i * c_i`` in fp32 (adapters without a bias give none)."""
+    for f, s, _ in contributions:
+        if f.bias is not None:
+            yield f.bias.float() * (s * f.scaling)
 
 
 def _amax(t: torch.Tensor) -> float:
