@@ -193,3 +193,40 @@ def test_1000_random_switches_across_both_modes_leave_the_base_bit_exact(dtype, 
     engine.activate([])
     assert sums(m) == base_sums and engine.stats()["unfused"]["hooked_layers"] == 0
     assert min(modes.values()) > 300
+
+
+def test_unfused_follows_the_canonical_set_and_refuses_a_non_finite_stack(library, managers, tmp_path):
+    """The unfused path uses the merge path's adapter identities and canonical order ([A, B] then
+    [B, A] is a no-op; one file under two ids is one adapter with its scales summed), and a stack whose
+    delta is not finite is refused with the merge's error: no hooks left, merged layers restored."""
+    from safetensors.torch import load_file, save_file
+
+    m = managers("demo:qwen-image")
+    engine = m.lora_engine
+    q = library / "qwen-image"
+    a, b = req(q / "qwen-image-ink-kohya.safetensors", 1), req(q / "qwen-image-film-diffusers.safetensors", 2)
+    base_sums = sums(m)
+    engine.activate([(a, 1.0), (b, 0.5)], mode="unfused")
+    hooks, noops = engine.unfused.counters["hooks_installed"], engine.counters["noop_activations"]
+    rows = engine.activate([(b, 0.5), (a, 1.0)], mode="unfused")  # the same composition
+    assert engine.unfused.counters["hooks_installed"] == hooks and engine.counters["noop_activations"] == noops + 1
+    assert [(r["name"], r["mode"]) for r in rows] == [(b.lora_name, "unfused"), (a.lora_name, "unfused")]
+    # one file under two ids: one adapter at scale 0.5 + 0.5, the same output as the merge of a at 1.0
+    alias = LoRARequest("ink-again", 7, a.lora_path)
+    twice, meta = image(m, [(a, 0.5), (alias, 0.5)], "unfused")
+    assert [(r["name"], r["int_id"], r["scale"], r["mode"]) for r in meta["adapters"]] == \
+        [(a.lora_name, 1, 1.0, "unfused")]
+    once, _ = image(m, [(a, 1.0)], "merge")
+    assert np.abs(twice - once).max() <= TOL[torch.float32]
+    assert engine.stats()["merged_layers"] > 0  # a is merged now
+    # factors of 1e30 (finite in the file): the delta overflows; refused, and the merged a is taken off
+    huge = {k: v.float().sign().where(v != 0, 1.0) * 1e30 for k, v in load_file(str(b.lora_path)).items()}
+    path = tmp_path / "overflow-1e30.safetensors"
+    save_file(huge, str(path))
+    refused = engine.counters["nonfinite_refused"]
+    with pytest.raises(AdapterError, match="'overflow-1e30'.* at transformer.*not finite"):
+        engine.activate([(LoRARequest("overflow-1e30", 8, str(path)), 1.0)], mode="unfused")
+    assert engine.counters["nonfinite_refused"] == refused + 1
+    assert engine.active == [] and engine.stats()["unfused"]["hooked_layers"] == 0
+    assert engine.stats()["merged_layers"] == 0 and sums(m) == base_sums
+    engine.activate([])
