@@ -39,4 +39,7 @@ for k, v in med.items():
     print(f"  {k}: {v*1e3:.1f} ms ({v/med['base']:.3f}x base)")
 for k, v in sw.items():
     print(f"  switch to {k} (from the previous mode): median {statistics.median(v)*1e3:.2f} ms")
-print("  ratio input of the policy:", e.unfused.inputs(e._plan([(e.load(a), {"transformer": .7}), (e.load(b), {"transformer": -1.3})])).ratio)
+from backend.lora.engine import identity_of  # noqa: E402
+loaded = sorted(((identity_of(e.load(r)), e.load(r), {"transformer": s}) for r, s in ((a, .7), (b, -1.3))),
+                key=lambda item: item[0])
+print("  ratio input of the policy:", e.unfused.inputs(e._plan(loaded), {i: x for i, x, _ in loaded}).ratio)
