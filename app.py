@@ -47,6 +47,9 @@ def _lora(p: argparse.ArgumentParser) -> None:
                    help="peft: adapters per request; distill: fuse --lora-path into the base at start")
     p.add_argument("--lora-path", nargs="+", metavar="P", help="adapter file(s) or PEFT folder(s)")
     p.add_argument("--lora-scale", type=float, default=1.0, metavar="S", help="the weight of the --lora-path adapters")
+    p.add_argument("--lora-mode", choices=("auto", "merge", "unfused"), default=None,
+                   help="peft: merge adapters into the weights, serve them unfused (hooks, no weight write), "
+                        "or pick per request by cost (default: auto on CUDA, merge on CPU; docs/lora.md)")
     p.add_argument("--preset", metavar="ID", help="a distill preset from presets/ (see `app.py presets`)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
@@ -55,6 +58,9 @@ def _lora(p: argparse.ArgumentParser) -> None:
                         "(docs/minimax.md)")
     p.add_argument("--offload-stream", action="store_true",
                    help="--offload group: prefetch the next block on a CUDA stream")
+    p.add_argument("--pristine", choices=("auto", "device", "host"), default="auto",
+                   help="peft: where the originals of merged layers live: device (no transfer per switch), "
+                        "host (pinned RAM, copied on a side stream), auto (device when it fits; docs/lora.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-loras", type=int, default=4, metavar="N", help="adapters resident on the device")
     serve.add_argument("--max-cpu-loras", type=int, default=16, metavar="N", help="adapters held in CPU memory")
     serve.add_argument("--max-queue", type=int, default=256, metavar="N", help="queued jobs before 429")
+    serve.add_argument("--lora-prefetch", type=int, default=2, metavar="N",
+                       help="while a job runs, read the adapters of the next N queued jobs into the cache (0: off)")
     limits = serve.add_argument_group("request limits (a request over one is a 400 naming the field; "
                                       "docs/security.md)")
     limits.add_argument("--max-side", type=int, metavar="PX",
@@ -189,7 +197,7 @@ def cmd_generate(args) -> int:
     omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
                 lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
                 data_dir=args.data_dir, adapter_dirs=args.adapter_dir, offload=args.offload,
-                offload_stream=args.offload_stream)
+                offload_stream=args.offload_stream, pristine=args.pristine, lora_mode=args.lora_mode)
     spec = getattr(omni.manager, "spec", None)
     if args.output and spec is not None:  # an image model cannot write .mp4, nor a video model .png
         check_suffix(args.output, video=str(spec.output).startswith("video"))
@@ -256,7 +264,8 @@ def cmd_serve(args) -> int:
                     preset=args.preset, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                     max_queue=args.max_queue, device=args.device, dtype=args.dtype, engine=args.engine,
                     ray_address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
-                    offload=args.offload, offload_stream=args.offload_stream, limits=limits)
+                    offload=args.offload, offload_stream=args.offload_stream, limits=limits,
+                    pristine=args.pristine, lora_mode=args.lora_mode, lora_prefetch=args.lora_prefetch)
     try:
         studio.start()
         app = create_app(studio, api_key=args.api_key, login=args.auth,  # one gate for API and UI
@@ -308,6 +317,10 @@ def cmd_adapters(args) -> int:
 
     rows = list_adapters(args.model, args.adapter_dir, args.data_dir)
     print(format_rows(rows) if rows else "no adapters found in the library roots")
+    if args.model:
+        from backend.lora.pristine import describe
+
+        print(describe(args.model, args.data_dir))
     return 0
 
 

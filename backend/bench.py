@@ -55,6 +55,29 @@ def _mean_time(fn, repeats: int) -> float:
     return (time.perf_counter() - t) / repeats
 
 
+def _loadavg() -> str:
+    import os
+
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _rotated(fns: dict, rounds: int) -> dict:
+    """(median, min, max) seconds of each ``fn(i)`` over ``rounds`` rounds; round r calls the sides
+    starting from side r mod k, so no side always runs first (caches, turbo) or last."""
+    keys = list(fns)
+    times = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+            t = time.perf_counter()
+            fns[k](r)
+            times[k].append(time.perf_counter() - t)
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
+
+
+def _stat(t) -> str:
+    return f"{_ms(t[0])} [{_ms(t[1])}-{_ms(t[2])}]"
+
+
 def _interleaved(fns: dict, rounds: int) -> dict:
     """Median seconds of each ``fn(i)``, called in turn round by round, so load that comes and
     goes on a shared machine hits every side alike (back-to-back blocks would not)."""
@@ -73,10 +96,7 @@ class LoraBench:
 
         self.args = args
         torch.manual_seed(0)
-        self.model = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=64, in_channels=16, out_channels=16,
-            text_dim=768, freq_dim=256, ffn_dim=3072, num_layers=args.layers, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=1024).eval()
+        self.model = self.build(args.width, args.layers)
         side = int(round((args.tokens ** 0.5) * 2))  # patch 2x2 over one latent frame
         g = torch.Generator().manual_seed(1)
         self.inputs = dict(hidden_states=torch.randn(1, 16, 1, side, side, generator=g),
@@ -86,31 +106,44 @@ class LoraBench:
         self.paths = self._write_adapters()
         self.rows: list[tuple[str, str, str, str]] = []
 
+    @staticmethod
+    def build(width: int, layers: int, dtype=torch.float32):
+        from diffusers import WanTransformer3DModel
+
+        torch.manual_seed(0)
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=width // 128, attention_head_dim=128, in_channels=16,
+            out_channels=16, text_dim=768, freq_dim=256, ffn_dim=4 * width, num_layers=layers, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=1024).to(dtype).eval()
+
     # -- setup -------------------------------------------------------------------------------------
-    def _write_adapters(self) -> list[Path]:
+    def _write_adapters(self, model=None, tag: str = "", count: int | None = None) -> list[Path]:
         from safetensors.torch import save_file
 
-        names = [n for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)
+        names = [n for n, m in (model or self.model).named_modules() if isinstance(m, torch.nn.Linear)
                  and n.startswith("blocks.") and n.split(".", 2)[2] in (
                      "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
                      "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")]
         paths = []
         r = self.args.rank
-        for i in range(self.args.adapters):
+        for i in range(self.args.adapters if count is None else count):
             g = torch.Generator().manual_seed(10 + i)
             sd = {}
             for n in names:
-                lin = self.model.get_submodule(n)
+                lin = (model or self.model).get_submodule(n)
                 sd[f"transformer.{n}.lora_A.weight"] = torch.randn(r, lin.in_features, generator=g) / lin.in_features ** .5
                 sd[f"transformer.{n}.lora_B.weight"] = torch.randn(lin.out_features, r, generator=g) * 0.02
-            p = self.tmp / f"adapter-{i}.safetensors"
+            p = self.tmp / f"adapter{tag}-{i}.safetensors"
             save_file(sd, str(p))
             paths.append(p)
         return paths
 
     def forward(self, model):
+        dtype = next(model.parameters()).dtype
+        inputs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
+                  for k, v in self.inputs.items()}
         with torch.inference_mode():
-            return model(**self.inputs)[0]
+            return model(**inputs)[0]
 
     def engine(self, model, **kw):
         from diffusers import WanPipeline
@@ -135,10 +168,15 @@ class LoraBench:
     # -- measurements --------------------------------------------------------------------------------
     def run(self):
         only = self.args.only
+        print(f"load average {_loadavg()}; {torch.get_num_threads()} threads; model width {self.args.width}, "
+              f"{self.args.layers} blocks, {self.args.tokens} tokens, rank {self.args.rank}", flush=True)
         if only in (None, "timing"):
-            self.timing()
-        if only == "disk":
+            self.timing(torch.float32)
+            self.timing(torch.bfloat16)
+        if only in (None, "disk"):
             self.disk(*self._pair())
+        if only in (None, "sweep"):
+            self.sweep()
         if only in (None, "drift"):
             self.drift()
         if only in (None, "switches"):
@@ -159,81 +197,109 @@ class LoraBench:
         theirs_model.set_adapters(["a0"], [1.0])
         return ours_model, engine, theirs_model
 
-    def timing(self):
-        """Side by side, interleaved round by round so a busy machine slows all three alike."""
+    def timing(self, dtype):
+        """Side by side in rotated rounds (each round starts with the next side), so load that comes
+        and goes hits every side alike: medians and min-max over >= 15 rounds."""
         a = self.args
-        R = a.repeats
-        base_model = self.model
-        ours_model, engine, theirs_model = self._pair()
-        for m in (base_model, ours_model, theirs_model):
+        R = a.rounds
+        label = str(dtype).replace("torch.", "")
+        steps = a.steps
+        base_model = copy.deepcopy(self.model).to(dtype)
+        ours_model = copy.deepcopy(self.model).to(dtype)
+        engine = self.engine(ours_model, max_loras=4, max_cpu_loras=8, pristine="device")
+        resident = copy.deepcopy(self.model).to(dtype)  # all adapters resident + set_adapters
+        for i in range(2):
+            resident.load_lora_adapter(str(self.paths[i]), adapter_name=f"a{i}", prefix="transformer")
+        hot = copy.deepcopy(self.model).to(dtype)  # hotswap=True: one adapter slot, weights swapped in place
+        hot.enable_lora_hotswap(target_rank=a.rank)
+        hot.load_lora_adapter(str(self.paths[0]), adapter_name="hot", prefix="transformer")
+        low = copy.deepcopy(self.model).to(dtype)  # load_lora_adapter(low_cpu_mem_usage=True) per switch
+        state = {"low": 0}
+
+        def ours_switch(i):
+            engine.activate([(self.req(i % 2), 1.0)])
+
+        def resident_switch(i):
+            resident.set_adapters([f"a{i % 2}"], [1.0])
+
+        def hot_switch(i):
+            hot.load_lora_adapter(str(self.paths[i % 2]), adapter_name="hot", prefix="transformer", hotswap=True)
+
+        def low_switch(i):
+            n = state["low"]
+            low.load_lora_adapter(str(self.paths[n % 2]), adapter_name=f"l{n}", prefix="transformer",
+                                  low_cpu_mem_usage=True)
+            low.set_adapters([f"l{n}"], [1.0])
+            if n:
+                low.delete_adapters([f"l{n - 1}"])
+            state["low"] = n + 1
+
+        for fn in (ours_switch, resident_switch, hot_switch, low_switch):
+            fn(1)  # round 0 then switches to adapter 0: every timed call is a real switch
+        for m in (base_model, ours_model, resident, hot, low):
             self.forward(m)  # warm-up
-        rounds = {"base": [], "ours": [], "theirs": []}
-        for _ in range(R):
-            for key, m in (("base", base_model), ("ours", ours_model), ("theirs", theirs_model)):
-                rounds[key].append(_median_time(lambda: self.forward(m), 1))
-        t_base, t_ours_fwd, t_theirs_fwd = (statistics.median(rounds[k]) for k in ("base", "ours", "theirs"))
-        print(f"base forward: {t_base:.3f} s ({a.tokens} tokens, {a.layers} layers, fp32, "
-              f"{torch.get_num_threads()} threads)", flush=True)
-        self.add("forward with an active adapter, relative to the base forward", f"{t_ours_fwd / t_base:.3f}x",
-                 f"{t_theirs_fwd / t_base:.3f}x (unfused)", f"{t_ours_fwd / t_theirs_fwd:.3f}x")
-
-        # a 4-step generation with a cached adapter, switch included (adapters alternate, so each one switches)
-        steps = 4
-        flip = {"i": 0}
-
-        def base_gen():
-            for _ in range(steps):
-                self.forward(base_model)
-
-        def ours_gen():
-            engine.activate([(self.req(flip["i"]), 1.0)])
-            for _ in range(steps):
-                self.forward(ours_model)
-
-        def theirs_gen():
-            theirs_model.set_adapters([f"a{flip['i']}"], [1.0])
-            for _ in range(steps):
-                self.forward(theirs_model)
-
-        gens = {"base": [], "ours": [], "theirs": []}
-        for _ in range(R):
-            flip["i"] ^= 1
-            for key, fn in (("base", base_gen), ("ours", ours_gen), ("theirs", theirs_gen)):
-                gens[key].append(_median_time(fn, 1))
-        t_gen_base, t_gen_ours, t_gen_theirs = (statistics.median(gens[k]) for k in ("base", "ours", "theirs"))
-        ratio = t_gen_ours / t_gen_base
-        self.add(f"{steps}-step generation, cached adapter, switch included, relative to base",
-                 f"{ratio:.3f}x", f"{t_gen_theirs / t_gen_base:.3f}x (unfused)",
-                 f"target <= 1.05x: {'met' if ratio <= 1.05 else 'MISSED'}")
-
-        # switching between resident adapters
-        n = a.switch_repeats
-        sw = _interleaved({"ours": lambda i: engine.activate([(self.req(i % 2), 1.0)]),
-                           "theirs": lambda i: theirs_model.set_adapters([f"a{i % 2}"], [1.0])}, n)
-        self.timed("switch between resident adapters (merge vs set_adapters)", sw["ours"], sw["theirs"])
-
-        # a repeat request does no switching work
-        engine.activate([(self.req(0), 1.0)])
         before = dict(engine.counters)
-        t_repeat = _mean_time(lambda i: engine.activate([(self.req(0), 1.0)]), n)
-        after = engine.counters
-        work = after["layers_written"] - before["layers_written"] + after["switches"] - before["switches"]
-        self.add("repeat request, same adapter: layers written + switches", f"{work} ({_ms(t_repeat)})",
-                 f"{_ms(sw['theirs'])} (set_adapters)", "no work: met" if work == 0 else "WORK DONE: MISSED")
+        sw = _rotated({"ours": ours_switch, "set_adapters": resident_switch, "hotswap": hot_switch,
+                       "low_cpu_mem_usage": low_switch}, R)
+        switches = engine.counters["switches"] - before["switches"]
+        per_switch = (engine.counters["bytes_written"] - before["bytes_written"]) / max(1, switches)
+        print(f"[{label}] switch medians: " + ", ".join(f"{k} {_ms(v[0])}" for k, v in sw.items()), flush=True)
+        self.add(f"[{label}] switch between cached adapters ({per_switch / 2**20:.1f} MiB written per switch)",
+                 _stat(sw["ours"]), f"set_adapters {_stat(sw['set_adapters'])}",
+                 f"{sw['ours'][0] / sw['set_adapters'][0]:.2f}x set_adapters")
+        ratio_hot = sw["ours"][0] / sw["hotswap"][0]
+        self.add(f"[{label}] switch: ours (cached) vs hotswap=True (reads the file)", _stat(sw["ours"]),
+                 f"hotswap {_stat(sw['hotswap'])}",
+                 f"{ratio_hot:.2f}x; target <= 2x: {'met' if ratio_hot <= 2 else 'MISSED'}")
+        self.add(f"[{label}] switch: ours (cached) vs load_lora_adapter(low_cpu_mem_usage=True)+set+delete",
+                 _stat(sw["ours"]), f"low_cpu_mem {_stat(sw['low_cpu_mem_usage'])}",
+                 f"{sw['ours'][0] / sw['low_cpu_mem_usage'][0]:.2f}x")
 
-        self.disk(ours_model, engine, theirs_model)
+        def gen(model, switch):
+            def run(i):
+                if switch is not None:
+                    switch(i)
+                for _ in range(steps):
+                    self.forward(model)
+            return run
 
-        theirs_model.set_adapters(["a1"], [1.0])
-
-        def theirs_fuse(i):
-            theirs_model.fuse_lora(adapter_names=["a1"])
-            theirs_model.unfuse_lora()
-
-        fuse = _interleaved({"ours": lambda i: (engine.activate([(self.req(1), 1.0)]), engine.activate([])),
-                             "theirs": theirs_fuse}, max(4, n // 5))
-        self.timed("merge + restore vs fuse_lora + unfuse_lora", fuse["ours"], fuse["theirs"])
-        del theirs_model, ours_model, engine
+        g = _rotated({"base": gen(base_model, None), "ours": gen(ours_model, ours_switch),
+                      "set_adapters": gen(resident, resident_switch), "hotswap": gen(hot, hot_switch)}, R)
+        ratio = g["ours"][0] / g["base"][0]
+        self.add(f"[{label}] {steps}-step generation at {a.tokens} tokens, a switch every request, vs base "
+                 f"(base {_stat(g['base'])})", f"{ratio:.3f}x ({_stat(g['ours'])})",
+                 f"set_adapters {g['set_adapters'][0] / g['base'][0]:.3f}x, hotswap "
+                 f"{g['hotswap'][0] / g['base'][0]:.3f}x", f"target <= 1.05x: {'met' if ratio <= 1.05 else 'MISSED'}")
+        del base_model, ours_model, engine, resident, hot, low
         gc.collect()
+
+    def sweep(self):
+        """Switch time vs bytes written: the same adapters' layout over models of growing width (fp32)."""
+        a = self.args
+        points = []
+        for width in a.sweep:
+            model = self.build(width, 2)
+            paths = self._write_adapters(model, tag=f"-w{width}", count=2)
+            engine = self.engine(model, max_loras=2, max_cpu_loras=2, pristine="device")
+            from .lora.request import LoRARequest
+
+            reqs = [LoRARequest(f"w{width}-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+            engine.activate([(reqs[0], 1.0)])
+            engine.activate([(reqs[1], 1.0)])  # round 0 switches back to 0
+            before = dict(engine.counters)
+            t = _rotated({"s": lambda i: engine.activate([(reqs[i % 2], 1.0)])}, a.rounds)["s"]
+            nbytes = (engine.counters["bytes_written"] - before["bytes_written"]) / a.rounds
+            points.append((nbytes, t[0]))
+            self.add(f"switch vs bytes: width {width}, 2 blocks, fp32", f"{_stat(t)} for {nbytes / 2**20:.1f} MiB",
+                     "-", f"{nbytes / t[0] / 2**30:.2f} GiB/s written")
+            del model, engine
+            gc.collect()
+        if len(points) >= 2:
+            xs, ys = [p[0] / 2**20 for p in points], [p[1] * 1e3 for p in points]
+            mx, my = statistics.mean(xs), statistics.mean(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            self.add("switch time vs MiB written (least squares)", f"{my - slope * mx:.2f} ms + {slope:.3f} ms/MiB",
+                     "-", f"{1 / slope:.2f} GiB/s" if slope > 0 else "-")
 
     def disk(self, ours_model, engine, theirs_model):
         """Activating an adapter that is only on disk: ours vs load_lora_adapter + set_adapters + delete_adapters.
@@ -407,19 +473,25 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     lora = sub.add_parser("lora", help="PEFT engine vs plain diffusers")
     lora.add_argument("--threads", type=int, default=2)
+    lora.add_argument("--width", type=int, default=1024, help="model width (a multiple of 128)")
     lora.add_argument("--layers", type=int, default=4)
-    lora.add_argument("--tokens", type=int, default=1024)
+    lora.add_argument("--tokens", type=int, default=256, help="tokens per pass (256 = a 256x256 image)")
+    lora.add_argument("--steps", type=int, default=4, help="denoising steps per generation")
     lora.add_argument("--rank", type=int, default=32)
     lora.add_argument("--adapters", type=int, default=8)
-    lora.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
-    lora.add_argument("--switch-repeats", type=int, default=20)
+    lora.add_argument("--rounds", type=int, default=15, help="rotated rounds per comparison (median, min-max)")
+    lora.add_argument("--switch-repeats", type=int, default=16, help="rounds of the disk-switch rows")
+    lora.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",")], default=[512, 1024, 1536, 2048],
+                      help="model widths for the switch-time-vs-bytes sweep")
     lora.add_argument("--switches", type=int, default=1000, help="random switches for the checksum/RSS run")
-    lora.add_argument("--only", choices=["timing", "disk", "drift", "switches", "rss"],
-                      help="run one section (disk: the disk-switch rows of timing, alone)")
-    lora.add_argument("--quick", action="store_true", help="a small smoke run (1 layer, 256 tokens, 50 switches)")
+    lora.add_argument("--only", choices=["timing", "disk", "sweep", "drift", "switches", "rss"],
+                      help="run one section")
+    lora.add_argument("--quick", action="store_true",
+                      help="a smoke run: width 256, 1 block, 64 tokens, 5 rounds, sweep 256,512, 50 switches")
     args = parser.parse_args(argv)
     if args.quick:
-        args.layers, args.tokens, args.switches, args.repeats, args.switch_repeats = 1, 256, 50, 1, 4
+        args.width, args.layers, args.tokens, args.rounds, args.switch_repeats = 256, 1, 64, 5, 4
+        args.sweep, args.switches = [256, 512], 50
     torch.set_num_threads(args.threads)
     from .manager import quiet_libraries
 
@@ -428,6 +500,11 @@ def main(argv=None) -> int:
     bench.run()
     print()
     print(bench.table())
+    print(f"load average at the end: {_loadavg()}")
+    print()
+    from .costmodel import table as cost_table
+
+    print(cost_table())
     return 0
 
 

@@ -163,23 +163,39 @@ class PipelineManager:
         return params
 
     def generate(self, request: dict, *, adapters=None, defaults: dict | None = None,
-                 on_step: StepCallback | None = None, cancel: threading.Event | None = None) -> GenerationResult:
+                 on_step: StepCallback | None = None, cancel: threading.Event | None = None,
+                 lora_mode: str | None = None, queued_same: int = 0) -> GenerationResult:
         with self._lock:
             if self.minimax is not None:
                 from .minimax.runtime import generate_for_manager
 
                 return generate_for_manager(self, request, adapters=adapters, defaults=defaults,
                                             on_step=on_step, cancel=cancel)
+            if "lora_mode" in request:  # a request field (HTTP): merge or unfused, not a pipeline argument
+                request = dict(request)
+                field = request.pop("lora_mode")
+                lora_mode = field if lora_mode is None else lora_mode
             params = self.validate(request, defaults)
             if adapters and self.lora_engine is None:
                 raise StudioError("this pipeline manager has no LoRA engine attached (backend.lora.attach)",
                                   param="lora_request")
             started = time.time()
-            applied = self.lora_engine.activate(adapters or []) if self.lora_engine is not None else []
+            engine, steps = self.lora_engine, params.get("num_inference_steps")
+            # lora_mode / queued_same / steps: the merge-or-unfused policy (backend/lora/policy.py)
+            applied = engine.activate(adapters or [], steps=steps, mode=lora_mode,
+                                      queued_same=queued_same) if engine is not None else []
+            calls, run_started = (engine.unfused.forward_calls() if engine is not None else 0), time.perf_counter()
             with self._scheduler_for(params), self._boundary_for(params):
                 output = self._run(params, on_step, cancel)
             result = self._collect(output, params)
+            if engine is not None:  # the policy's measured step time (and forwards per step)
+                engine.unfused.observe_run(time.perf_counter() - run_started, steps,
+                                           engine.unfused.forward_calls() - calls)
             result.metadata = self._metadata(params, applied, time.time() - started)
+            if engine is not None and applied:  # which way the adapters ran (each row's "mode" is the engine's)
+                decision = engine.unfused.last_decision
+                mode = "unfused" if engine.unfused.active else "merged"
+                result.metadata["lora_mode"] = decision.as_dict() if decision is not None else {"mode": mode}
             return result
 
     def _run(self, params: dict, on_step, cancel):

@@ -37,7 +37,8 @@ class Omni:
     def __init__(self, model: str = DEFAULT_MODEL, lora_path=None, lora_backend: str = "peft",
                  lora_scale: float = 1.0, max_loras: int = 4, max_cpu_loras: int = 16,
                  device: str | None = None, dtype: str | None = None, data_dir=None, adapter_dirs=None,
-                 offload: str = "none", offload_stream: bool = False, **kwargs):
+                 offload: str = "none", offload_stream: bool = False, pristine: str = "auto",
+                 lora_mode: str | None = None, **kwargs):
         if kwargs:
             raise InvalidParameter(f"Omni() got unknown argument {sorted(kwargs)[0]!r}", param=sorted(kwargs)[0])
         if lora_backend not in LORA_BACKENDS:
@@ -61,7 +62,8 @@ class Omni:
 
             # per-request adapters on both backends; with peft, lora_path is pre-loaded and pinned
             self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
-                               preload=lora_path if lora_backend == "peft" else None)
+                               preload=lora_path if lora_backend == "peft" else None, pristine=pristine,
+                               lora_mode=lora_mode)
             if lora_backend == "distill" and lora_path:
                 self.manager.fuse(lora_path, self.lora_scale)  # fused once, here; no LoRARequest needed later
 
@@ -76,9 +78,11 @@ class Omni:
                  lora_scale: float | list | dict | None = None, on_step=None, **fields) -> list[OmniOutput]:
         prompts = prompt if isinstance(prompt, list) else [prompt]
         adapters = self._adapters(lora_request, lora_scale)
+        lora_mode = fields.pop("lora_mode", None)  # per call: auto | merge | unfused (backend/lora/policy.py)
         outputs = []
         for p in prompts:
-            result = self.manager.generate({**fields, "prompt": p}, adapters=adapters, on_step=on_step)
+            result = self.manager.generate({**fields, "prompt": p}, adapters=adapters, on_step=on_step,
+                                           lora_mode=lora_mode)
             outputs.append(OmniOutput(images=result.images or [], frames=result.frames, fps=result.fps,
                                       audio=result.audio, metadata=result.metadata, _result=result))
         return outputs

@@ -36,7 +36,8 @@ class Studio:
                  dtype: str | None = None, worker_threads: int | None = None, db_path=None,
                  engine: str = "local", ray_address: str | None = None, replicas: int = 1,
                  gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, pristine: str = "auto",
+                 lora_mode: str | None = None, lora_prefetch: int = 2):
         if engine not in ENGINES:
             raise InvalidParameter(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}", param="engine")
         if engine == "ray" and (replicas < 1 or gpus_per_replica < 0):
@@ -45,6 +46,12 @@ class Studio:
         if lora_backend not in LORA_BACKENDS:
             raise InvalidParameter(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {lora_backend!r}",
                                    param="lora_backend")
+        if lora_mode is not None:
+            from .lora.policy import check_mode
+
+            check_mode(lora_mode, "lora_mode")
+        if lora_prefetch < 0:
+            raise InvalidParameter(f"--lora-prefetch must be >= 0, got {lora_prefetch}", param="lora_prefetch")
         plan = offload_policy.check(offload, stream=offload_stream)  # the flags, before a worker starts
         offload_policy.check_engine(plan, engine)
         self.data_dir = settings.data_dir(data_dir)
@@ -64,7 +71,8 @@ class Studio:
             lora_paths=tuple(str(p) for p in lora_paths), lora_scale=float(lora_scale), preset=preset,
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
             adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]), offload=plan.mode,
-            offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)})
+            offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)}, pristine=pristine,
+            lora_mode=lora_mode, lora_prefetch=lora_prefetch)
         self.engine = engine
         if engine == "ray":
             from .engines.ray_engine import RayEngineConfig  # imports ray: only for --engine ray
@@ -147,10 +155,14 @@ class Studio:
         from .params import FIELDS, IMAGE_FIELDS, _check
 
         params = {k: v for k, v in params.items() if v is not None}
+        if "lora_mode" in params:  # per request: merge or unfused (backend/lora/policy.py; the worker pops it)
+            from .lora.policy import check_mode
+
+            check_mode(params["lora_mode"])
         current = model is None or model == self.current_model()
         spec = (self.supervisor.info or {}).get("spec") if current else _static_spec(model, self.data_dir)
         if spec and current:
-            unknown = sorted(k for k in params if k not in spec["fields"])
+            unknown = sorted(k for k in params if k not in spec["fields"] and k != "lora_mode")
             if unknown:
                 raise InvalidParameter(
                     f"unknown field {unknown[0]!r} for {spec['pipeline']}; accepted fields: "
@@ -386,6 +398,7 @@ class Studio:
             "device": info.get("device"), "dtype": info.get("dtype"), "lora_backend": self.lora_backend,
             "preset": self.preset, "fused": info.get("fused"), "memory": info.get("memory") or {},
             "cache": _cache_summary(info.get("lora_cache")), "lora_cache": info.get("lora_cache"),
+            "pristine": (info.get("lora_cache") or {}).get("pristine"),
             "queue_depth": counts["queued"], "jobs": counts, "max_queue": self.queue.max_queue,
             "scheduler": self.queue.scheduler_stats(), "seconds_per_step": info.get("seconds_per_step"),
             "worker": {"pid": sup.pid, "ready": sup.ready, "restarts": sup.restarts, "deaths": sup.deaths[-10:],
@@ -506,6 +519,10 @@ def _cache_summary(stats: dict | None) -> dict:
             if k in t:
                 out[f"{tier}_{k}"] = t[k]
     out.update({k: v for k, v in (stats.get("counters") or {}).items()})
+    pristine = stats.get("pristine") or {}
+    if pristine:  # the peft engine's originals: how much, and where (--pristine)
+        out["pristine_bytes"] = pristine.get("bytes")
+        out["pristine_where"] = pristine.get("where")
     return out
 
 

@@ -70,3 +70,46 @@ class WeightSnapshot:
 
     def clear(self) -> None:
         self.saved.clear()
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_DIGEST_COLS = 1024
+_DIGEST_CHUNK = 1 << 22  # elements per pass: bounds the int64 temporaries (32 MiB)
+
+
+def device_digest(tensor: torch.Tensor) -> torch.Tensor:
+    """A checksum of a tensor's bytes computed where it lives (no copy to the CPU): 3 int64 on its
+    device. The bits are read as integers and summed plainly, weighted by column (position mod
+    1024) and by row, with wrap-around int64 arithmetic. Any single changed element changes it,
+    and so do nearly all multi-element changes (two swapped values with the same column and row
+    weight sums would not): a guard against bugs, not against an adversary (``module_checksum``
+    is the sha256 one)."""
+    t = tensor.detach().contiguous().reshape(-1)
+    ints = t.view(_INT_VIEW[t.element_size()])
+    out = torch.zeros(3, dtype=torch.int64, device=t.device)
+    cols = torch.arange(1, _DIGEST_COLS + 1, dtype=torch.int64, device=t.device)
+    for start in range(0, ints.numel(), _DIGEST_CHUNK):
+        chunk = ints[start:start + _DIGEST_CHUNK].to(torch.int64)
+        pad = (-chunk.numel()) % _DIGEST_COLS
+        if pad:
+            chunk = torch.cat([chunk, chunk.new_zeros(pad)])
+        grid = chunk.view(-1, _DIGEST_COLS)
+        rows = torch.arange(start // _DIGEST_COLS + 1, start // _DIGEST_COLS + 1 + grid.shape[0],
+                            dtype=torch.int64, device=t.device)
+        out[0] += grid.sum()
+        out[1] += (grid * cols).sum()
+        out[2] += (grid.sum(1) * rows).sum()
+    return out
+
+
+def digests_equal(before: dict, tensors: dict) -> list:
+    """Keys whose ``device_digest`` differs from ``before`` (one device sync per device)."""
+    by_device: dict = {}
+    for key, digest in before.items():
+        t = tensors[key]
+        by_device.setdefault(t.device, []).append((key, (device_digest(t) != digest.to(t.device)).any()))
+    bad = []
+    for items in by_device.values():
+        flags = torch.stack([f for _, f in items]).cpu().tolist()
+        bad += [key for (key, _), f in zip(items, flags) if f]
+    return bad

@@ -157,3 +157,35 @@ def test_a_missing_lora_path_is_refused_at_construction_naming_it(data_dir, tmp_
     with pytest.raises(AdapterNotFound, match=f"--lora-path {missing}: no such file or folder"):
         Studio("demo:qwen-image", data_dir=data_dir, device="cpu", db_path=tmp_path / "jobs.sqlite",
                lora_paths=[str(missing)])
+
+
+def test_a_merge_that_overflows_is_refused_by_name_and_the_base_stays(server, data_dir):
+    """Factors of 1e30 (finite in the file) overflow in the merge: HTTP 400 naming the adapter and the
+    layer, no black image, and the next base job gets the base bits back (issue 14 item 11)."""
+    from safetensors.torch import load_file, save_file
+
+    studio, url = server
+    base = _image(url)
+    film = load_file(str(data_dir / "adapters" / FILM))
+    huge = {k: v.float().sign().where(v != 0, 1.0) * 1e30 for k, v in film.items()}
+    path = data_dir / "adapters" / "overflow-1e30.safetensors"
+    save_file(huge, str(path))
+    try:
+        r = httpx.post(f"{url}/v1/images/generations", json={**FAST, "lora": {"path": path.name}}, timeout=120)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "'overflow-1e30'" in message and "transformer." in message and "not finite" in message, message
+        assert np.array_equal(_image(url), base)  # every written layer went back, bit for bit
+        assert np.array_equal(_image(url, lora={"path": FILM}), _image(url, lora={"path": FILM}))
+    finally:
+        path.unlink()
+
+
+def test_metrics_report_where_the_originals_live(server):
+    studio, url = server
+    _image(url, lora={"path": INK})
+    m = httpx.get(f"{url}/metrics").json()
+    p = m["pristine"]
+    assert p["mode"] == "auto" and p["placement"] == "device" and p["where"].startswith("device (cpu")
+    assert 0 < p["bytes"] <= p["targetable_bytes"] and "cpu" in p["reason"]
+    assert m["cache"]["pristine_bytes"] == p["bytes"] and m["cache"]["pristine_where"] == p["where"]

@@ -386,3 +386,34 @@ def test_per_request_engine_adapter_on_a_fused_base_restores_to_the_fused_checks
         assert np.array_equal(pixels(m.generate(req)), base_px) and checksums(m) == base
     finally:
         m.lora_engine = None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_restore_is_checked_by_device_digests_and_catches_a_corrupted_layer(dtype, managers, data_dir, monkeypatch):
+    """The default restore check reads digests of the touched tensors (no sha256 pass over every weight),
+    and a restored layer that is not its base any more is caught by it (issue 15 item 5)."""
+    from backend.distill import FusedBase
+    from backend.distill import lifecycle
+    from backend.errors import CorruptModel
+
+    m = managers("demo:qwen-image", dtype)
+    base = checksums(m)
+    fb = FusedBase(m.pipeline, m.spec.class_name, m.denoisers(), m.model_path, keep="memory")
+    fb.fuse(files_for("demo:qwen-image", data_dir))
+    full_passes = []
+    real = lifecycle.module_checksum
+    monkeypatch.setattr(lifecycle, "module_checksum", lambda mod: full_passes.append(1) or real(mod))
+    fb.restore()
+    assert full_passes == [] and checksums(m) == base
+    fb.fuse(files_for("demo:qwen-image", data_dir))
+    key = sorted(fb._snapshots)[len(fb._snapshots) // 2]
+    saved = fb._snapshots[key].saved["weight"]
+    good = saved.clone()
+    saved.view(-1)[7] = saved.view(-1)[7] + 1  # the restore source of one layer went bad
+    n = len(full_passes)
+    with pytest.raises(CorruptModel, match=rf"{key[0]}\.{key[1]}\.weight different from its digest"):
+        fb.restore()
+    assert len(full_passes) == n  # caught by the cheap check
+    saved.copy_(good)
+    fb.restore(full_check=True)
+    assert checksums(m) == base

@@ -367,7 +367,7 @@ def test_failure_mid_activation_rolls_back_every_layer(threads, library, manager
     engine.activate([])
     # Break the device-tier copy of one late layer, as a device fault would: earlier layers get written
     # before the failing one.
-    factors = engine.cache.device.get(1)
+    factors = engine.cache.device.get(engine._key_of(1))
     last = sorted(factors)[-1]
     factors[last] = type(factors[last])(a=torch.zeros(3, 7), b=factors[last].b, bias=None, scaling=1.0)
     with pytest.raises(AdapterError, match=rf"failed at transformer\.{last[1]}.*restored"):

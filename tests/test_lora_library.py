@@ -64,7 +64,8 @@ def test_seed_example(library, data_dir):
     req = LoRARequest(lora_name="preloaded", lora_int_id=1, lora_path=p)
     out = omni.generate(prompt="A piece of cheesecake", lora_request=req, lora_scale=2.0, seed=42)[0]
     assert out.metadata["adapters"] == [{"name": "preloaded", "int_id": 1, "path": p, "format": "peft",
-                                         "sha256": out.metadata["adapters"][0]["sha256"], "scale": 2.0}]
+                                         "sha256": out.metadata["adapters"][0]["sha256"], "scale": 2.0,
+                                         "mode": "merged"}]
     assert omni.lora.stats()["counters"]["loads_from_disk"] == 1  # the pre-load; the request reused it
     assert not np.array_equal(np.asarray(base.images[0]), np.asarray(out.images[0]))
     other = LoRARequest("watercolor", 2, str(library / "sd3.5/sd35-watercolor.safetensors"))

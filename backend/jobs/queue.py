@@ -269,6 +269,26 @@ class JobQueue:
                 "switches_saved": plain - actual, "max_overtake": self.max_overtake,
                 "max_overtaken_seen": max((r["overtaken"] for r in rows), default=0)}
 
+    def upcoming(self, limit: int) -> list[dict]:
+        """The next queued generate jobs (seq order, up to a control job, which may change the model),
+        each {"id", "grp", "model", "adapters"}; for prefetching their adapters (backend/jobs/prefetch.py)."""
+        out = []
+        with self._lock:
+            rows = self._db.execute("SELECT id, kind, grp, model, adapters FROM jobs WHERE status='queued' "
+                                    "ORDER BY seq").fetchall()
+        for row in rows:
+            if len(out) >= limit or row["kind"] in BARRIER_KINDS:
+                break
+            out.append({"id": row["id"], "grp": row["grp"], "model": row["model"],
+                        "adapters": json.loads(row["adapters"])})
+        return out
+
+    def count_queued(self, grp: str) -> int:
+        """Queued jobs with this setup (``group_key``): the affinity order runs them back to back."""
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued' AND grp=?",
+                                    (grp,)).fetchone()[0]
+
     def wait(self, job_id: str, timeout: float | None = None) -> dict:
         """Block until the job is finished (or the timeout passes); returns its dict. Raises
         ShuttingDown once ``interrupt()`` was called and the job is still unfinished."""

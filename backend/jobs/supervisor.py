@@ -18,6 +18,7 @@ from multiprocessing.connection import wait
 
 from ..errors import StudioError
 from . import worker as worker_mod
+from .prefetch import hints_for
 from .queue import BARRIER_KINDS, JobQueue, group_key
 
 log = logging.getLogger("lora_studio.jobs")
@@ -49,6 +50,8 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self.proc = None
         self.conn = None
+        self._hints = None  # the prefetch hint pipe to the worker (backend/jobs/prefetch.py)
+        self._hinted = None
         self.current: dict | None = None  # the job the worker is running
         self.group: str | None = None  # what the worker has set up (queue.group_key)
         self.info: dict = {}  # the worker's last report (model, spec, cache, memory)
@@ -125,11 +128,15 @@ class Supervisor:
     # -- the loop --------------------------------------------------------------------------------
     def _spawn(self) -> None:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=worker_mod.main, args=(child, self._cancel, self.config),
+        hints_r, hints_w = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=worker_mod.main, args=(child, self._cancel, self.config, hints_r),
                                  name="lora-studio-worker", daemon=True)
         proc.start()
         child.close()
-        self.proc, self.conn = proc, parent
+        hints_r.close()
+        if self._hints is not None:
+            self._hints.close()
+        self.proc, self.conn, self._hints, self._hinted = proc, parent, hints_w, None
         self._ready.clear()
 
     def _loop(self) -> None:
@@ -146,6 +153,8 @@ class Supervisor:
             return
         if self._ready.is_set() and self.current is None:
             self._dispatch()
+        if self.current is not None:
+            self._send_hints()
         ready = wait([self.conn, self.proc.sentinel, self._wake_r], timeout=1.0)
         if self._wake_r in ready:
             while self._wake_r.poll():
@@ -187,9 +196,24 @@ class Supervisor:
         self._cancel.clear()
         self.current = job
         self._job_started, self._timed_out = time.monotonic(), None
+        # the merge-or-unfused policy shares a merge among the queued jobs with the same setup
+        job["queued_same"] = self.queue.count_queued(group_key(job["model"], job["adapters"], job["preset"]))
         self.conn.send({"op": "job", "job": job})
         if self.queue.cancel_requested(job["id"]):  # cancelled between claim and send
             self._cancel.set()
+
+    def _send_hints(self) -> None:
+        """Tell the worker's prefetch thread the adapters of the next queued jobs, when that list changed."""
+        if self._hints is None or self.config.lora_prefetch <= 0 or self.config.lora_backend != "peft":
+            return
+        upcoming = hints_for(self.queue, self.config.lora_prefetch, (self.info or {}).get("model"))
+        if not upcoming or upcoming == self._hinted:
+            return
+        try:
+            self._hints.send({"upcoming": upcoming})
+            self._hinted = upcoming
+        except (OSError, ValueError):
+            pass
 
     def _on_message(self, msg: tuple) -> None:
         kind = msg[0]

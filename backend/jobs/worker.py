@@ -38,8 +38,11 @@ class WorkerConfig:
     adapter_dirs: tuple = ()
     offload: str = "none"  # MiniMax-H3: none | model | group (backend/minimax/offload.py)
     offload_stream: bool = False
+    pristine: str = "auto"  # peft: where the originals of merged layers live (backend/lora/pristine.py)
     threads: int | None = None  # torch CPU threads (None: torch's default)
     env: dict = field(default_factory=dict)
+    lora_mode: str | None = None  # auto | merge | unfused (None: auto on CUDA, merge on CPU)
+    lora_prefetch: int = 2  # upcoming queued jobs whose adapters are read while a job runs (0: off)
 
 
 class _Worker:
@@ -52,6 +55,7 @@ class _Worker:
         self.engine = None
         self.preset: str | None = None
         self.step_times: list[float] = []
+        self.prefetcher = None  # backend/jobs/prefetch.py: started by main() when the supervisor sends hints
 
     # -- model state -----------------------------------------------------------------------------
     def load(self, model_id: str) -> None:
@@ -92,7 +96,8 @@ class _Worker:
         except ImportError:  # the PEFT backend is not installed in this build: base model only
             return
         self.engine = attach(self.manager, max_loras=self.config.max_loras,
-                             max_cpu_loras=self.config.max_cpu_loras, preload=list(preload))
+                             max_cpu_loras=self.config.max_cpu_loras, preload=list(preload),
+                             pristine=self.config.pristine, lora_mode=self.config.lora_mode)
 
     def info(self) -> dict:
         import torch
@@ -110,6 +115,8 @@ class _Worker:
                            "defaults": {**m.spec.defaults, **m.defaults}}
         if self.engine is not None:
             out["lora_cache"] = self.engine.stats()
+            if self.prefetcher is not None:
+                out["lora_cache"]["prefetch"] = dict(self.prefetcher.stats)
         if m.device.type == "cuda":
             out["memory"] = {"allocated": torch.cuda.memory_allocated(m.device),
                              "reserved": torch.cuda.memory_reserved(m.device),
@@ -174,18 +181,41 @@ class _Worker:
 
         adapters = [(LoRARequest(a["name"], int(a["int_id"]), a["path"]), a.get("scale", 1.0))
                     for a in job.get("adapters") or []]
-        last = [time.perf_counter()]
+        started = time.perf_counter()
+        last = [started]
+        first_step: list[float] = []
 
         def on_step(step: int, total: int) -> None:
             now = time.perf_counter()
+            if not first_step:
+                first_step.append(now - started)
             self.step_times = (self.step_times + [now - last[0]])[-200:]
             last[0] = now
             self.conn.send(("progress", job["id"], step, total))
 
-        result = self.manager.generate(dict(job["params"]), adapters=adapters, on_step=on_step, cancel=self.cancel)
+        reads = self._disk_reads({a[0].lora_int_id for a in adapters})  # waits for a read in flight
+        result = self.manager.generate(dict(job["params"]), adapters=adapters, on_step=on_step, cancel=self.cancel,
+                                       queued_same=int(job.get("queued_same") or 0))
         result.metadata["job_id"] = job["id"]
+        if self.engine is not None:  # this job's own adapter reads from disk (0 when prefetch had them)
+            result.metadata["lora_disk_reads"] = self._disk_reads(None) - reads
+        if first_step:
+            result.metadata["first_step_s"] = round(first_step[0], 4)
         path = save_result(result, data_dir=self.config.data_dir)
         return {"path": str(path), "metadata": result.metadata}
+
+    def _disk_reads(self, protect) -> int:
+        """Adapter files read from disk by jobs (not by prefetch) so far; ``protect``: the ids the
+        coming job needs, which prefetch must not evict while it runs."""
+        if self.engine is None:
+            return 0
+        pf = self.prefetcher
+        if pf is None:
+            return self.engine.counters["loads_from_disk"]
+        with pf.busy:
+            if protect is not None:
+                pf.protect = frozenset(protect)
+            return self.engine.counters["loads_from_disk"] - pf.disk_reads()
 
     def serve(self) -> None:
         while True:
@@ -213,10 +243,10 @@ class _Worker:
         elif msg["pinned"]:  # read it into the CPU tier now and keep it there
             self.engine.load(LoRARequest(msg["name"], int(msg["int_id"]), msg["path"]), pin=True)
         else:
-            self.engine.cache.pinned.discard(int(msg["int_id"]))
+            self.engine.unpin(int(msg["int_id"]))
 
 
-def main(conn, cancel, config: WorkerConfig) -> None:
+def main(conn, cancel, config: WorkerConfig, hints=None) -> None:
     """Process entry point (must be importable for ``spawn``)."""
     # A terminal's Ctrl-C reaches the whole process group. The server stops this worker itself
     # (Supervisor.stop); dying here mid-job would fail that job instead of leaving it queued.
@@ -229,6 +259,10 @@ def main(conn, cancel, config: WorkerConfig) -> None:
             torch.set_num_threads(config.threads)
         worker = _Worker(conn, cancel, config)
         worker.load(config.model)
+        if hints is not None and config.lora_prefetch > 0 and config.lora_backend == "peft":
+            from backend.jobs.prefetch import Prefetcher
+
+            worker.prefetcher = Prefetcher(hints, lambda: worker.engine).start()
     except Exception as exc:
         message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
         try:

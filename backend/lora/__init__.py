@@ -18,12 +18,18 @@ from .request import LoRARequest
 PRELOAD_ID_BASE = 1 << 30
 
 
-def attach(manager, *, max_loras: int = 4, max_cpu_loras: int = 16, preload=None):
-    """Give ``manager`` a LoRA engine for its loaded pipeline; pre-load and pin ``preload`` paths."""
+def attach(manager, *, max_loras: int = 4, max_cpu_loras: int = 16, preload=None, pristine: str = "auto",
+           lora_mode: str | None = None):
+    """Give ``manager`` a LoRA engine for its loaded pipeline; pre-load and pin ``preload`` paths.
+
+    ``pristine`` (auto | device | host) says where the originals of written layers live
+    (``backend.lora.pristine``); ``lora_mode``: auto | merge | unfused (None: auto on CUDA,
+    merge on CPU; docs/lora.md)."""
     from .engine import LoRAEngine
 
     engine = LoRAEngine(manager.pipeline, manager.denoisers(), model=manager.model_id or "model",
-                        max_loras=max_loras, max_cpu_loras=max_cpu_loras)
+                        max_loras=max_loras, max_cpu_loras=max_cpu_loras, pristine=pristine,
+                        lora_mode=lora_mode)
     paths = [preload] if isinstance(preload, (str, Path)) else list(preload or [])
     for i, path in enumerate(paths):
         p = Path(path)

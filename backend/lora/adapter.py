@@ -24,6 +24,7 @@ class LoadedAdapter:
     record: AdapterRecord
     report: FitReport
     stamp: tuple[int, int]  # (mtime_ns, size) of the weights file when read
+    identity: tuple | None = None  # (resolved weights file, sha256): the engine's cache key, set on insert
 
     @property
     def bindings(self) -> dict[str, Binding]:

@@ -1,16 +1,31 @@
 """The PEFT backend's engine: per-request adapter activation by exact merge.
 
-Strategy: the active set is merged into the denoisers' Linear weights,
-``W = W0 + sum_i s_i * (B_i * scaling_i) @ A_i`` in one fp32 GEMM per layer (stacked
-factors are concatenated), so a generation with an adapter costs the same per step as
-the base model. Every weight is written from its pristine copy ``W0`` (kept by
-``backend.weights.WeightSnapshot`` the first time a layer is touched), never from the
-previous merged value, so nothing accumulates: base -> A -> B -> base gives the base
-bits back in any dtype, after any number of switches.
+Strategy: the active set is merged into the denoisers' Linear weights with one GEMM per
+layer, ``W = addmm(W0, B_cat, A_cat, alpha)``: the factors of every adapter on that layer are
+concatenated along the rank (``B_cat = [B_1 c_1 | B_2 c_2 ...]``, ``c_i = s_i * scaling_i``;
+with a single adapter its ``c`` is addmm's ``alpha`` and ``B`` is used as stored). The GEMM
+accumulates in fp32 and rounds once into the weight: in fp32 the result is within fp32's
+accumulation error of the float64 value; in bf16 on CPU (oneDNN / PyTorch's fp32-accumulating
+bf16 gemm) and on CUDA (cuBLAS, fp32 compute) within 1 ulp of it, correctly rounded for all
+but a few elements in a million (tests/test_lora_engine.py measures it). Factors are stored in
+the model's dtype on the device, as peft's own layers keep them; with stacked adapters of
+different scales ``B_i c_i`` is rounded once to that dtype (a relative 2^-9 on the delta in
+bf16, far below one ulp of the weight). No fp32 copy of a weight is ever made.
 
-Work is skipped where nothing changed: a request with the same active set writes no
-layer (``stats()["noop_activations"]`` counts it), and a switch writes only the layers
-whose contributions differ.
+Every weight is written from its pristine copy ``W0`` (``backend.lora.pristine``: on the device
+or in pinned host memory, ``--pristine``), never from the previous merged value, so nothing
+accumulates: base -> A -> B -> base gives the base bits back in any dtype, after any number
+of switches. A merge whose result is not finite (an Infinity alpha, factors of 1e30) is
+refused: every touched layer goes back to its original and the error names the adapter and
+the layer.
+
+The active set is canonical: adapters are identified by their file (resolved path + sha256),
+not by ``lora_int_id`` or name, duplicates' scales are summed and the set is sorted by
+identity, so ``[A, B]`` then ``[B, A]`` with the same scales is a no-op (0 layers written;
+``stats()["noop_activations"]`` counts it), and a switch writes only the layers whose
+contributions differ. One adapter is one cache entry whatever the ids and names it is
+requested by: a pre-loaded (pinned) adapter requested by path or by its registered name
+uses its pinned entry.
 
 Adapter factors live in a two-tier LRU (``max_loras`` on the device, ready to merge;
 ``max_cpu_loras`` on CPU, read and converted). Reading and fitting happen before the
@@ -22,29 +37,33 @@ from __future__ import annotations
 
 import contextlib
 
-import dataclasses
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
 
 from ..cpu_tasks import run_tasks
 from ..errors import AdapterError, AdapterNotFound, InvalidParameter
-from ..weights import WeightSnapshot
+from . import pristine as pristine_mod
 from .adapter import LoadedAdapter, load_adapter
 from .cache import TwoTierCache
 from .request import LoRARequest
 
 
+Identity = tuple  # (resolved weights file, sha256): one adapter, whatever it is requested as
+
+
 @dataclass(frozen=True)
 class _DeviceFactors:
-    """Factors ready to merge: fp32 on the weight's device, with the adapter's own scaling."""
+    """Factors ready to merge: in the weight's dtype on its device, with the adapter's own scaling."""
 
     a: torch.Tensor
     b: torch.Tensor
     bias: torch.Tensor | None
     scaling: float
+    bound: float = math.inf  # r * max|B| * max|A| (+ max|bias|): no element of B @ A is larger
 
 
 class _LayerWriteFailed(Exception):
@@ -53,9 +72,20 @@ class _LayerWriteFailed(Exception):
         self.layer, self.cause = layer, cause
 
 
+class _NonFinite(Exception):
+    pass
+
+
+def identity_of(entry: LoadedAdapter) -> Identity:
+    if entry.identity is None:
+        entry.identity = (str(_resolved(entry.record.file)), entry.record.sha256)
+    return entry.identity
+
+
 class LoRAEngine:
     def __init__(self, pipeline, denoisers: dict[str, torch.nn.Module], *, model: str = "model",
-                 max_loras: int = 4, max_cpu_loras: int = 16):
+                 max_loras: int = 4, max_cpu_loras: int = 16, pristine: str = "auto",
+                 lora_mode: str | None = None):
         if max_cpu_loras < max_loras:
             raise InvalidParameter(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})",
                                    param="max_cpu_loras")
@@ -63,65 +93,116 @@ class LoRAEngine:
         self.pipeline_cls = pipeline if isinstance(pipeline, type) else type(pipeline)
         self.denoisers = dict(denoisers)
         self.model = model
-        self.cache = TwoTierCache(max_loras, max_cpu_loras)
-        self._snapshots = {c: WeightSnapshot(m) for c, m in self.denoisers.items()}
+        self.cache = TwoTierCache(max_loras, max_cpu_loras)  # keyed by adapter identity
+        self.pristine_mode = pristine
+        placement, why = pristine_mod.choose(pristine, self.denoisers)
+        pristine_mod.check_host_memory(placement, self.denoisers)
+        self.pristine = pristine_mod.PristineStore(placement)
+        self.pristine_reason = why
+        self.targetable_bytes = pristine_mod.targetable_bytes(self.denoisers)
         self._params = {c: dict(m.named_parameters()) for c, m in self.denoisers.items()}
         # (component, module) -> contribution key currently merged there
+        self._w0_amax: dict[tuple[str, str], float] = {}  # largest |element| of each original (and bias)
         self._merged: dict[tuple[str, str], tuple] = {}
         self._active_key: tuple = ()
         self._active_meta: list[dict] = []
-        self._scratch_buf: dict = {}
+        self._ids: dict[int, Identity] = {}  # lora_int_id -> identity
+        self._names: dict[str, Identity] = {}  # lora_name -> identity
+        self._paths: dict[Identity, set[str]] = {}  # identity -> resolved paths it was named by
+        self._pinned_as: dict[Identity, set] = {}  # identity -> the ids and names it was pinned under
         self.preloaded: list[LoRARequest] = []  # pinned at start (Omni(lora_path=...))
         self._lock = threading.RLock()
         self.counters = {"activations": 0, "noop_activations": 0, "switches": 0, "layers_written": 0,
-                         "loads_from_disk": 0, "aliases": 0, "reloads_stale": 0, "rollbacks": 0}
+                         "bytes_written": 0, "loads_from_disk": 0, "aliases": 0, "reloads_stale": 0,
+                         "rollbacks": 0, "nonfinite_refused": 0}
+        # merge or unfused by cost (backend/lora/unfused.py, backend/lora/policy.py)
+        from .unfused import UnfusedServing
+        self.unfused = UnfusedServing(self, lora_mode)
 
     # -- loading (CPU; never touches the model) -------------------------------------------------
     def load(self, request: LoRARequest, *, pin: bool = False) -> LoadedAdapter:
         """Make sure an adapter is in the CPU tier (reading it from disk if needed)."""
-        key = request.lora_int_id
         with self._lock:
-            cached = self.cache.cpu.get(key)
+            key = self._lookup(request)
+            cached = self.cache.cpu.get(key) if key is not None else None
             if cached is not None:
-                self._check_same(cached, request)
                 if not cached.is_stale():
-                    if pin:
-                        self.cache.pinned.add(key)
+                    if request.lora_int_id not in self._ids or request.lora_name not in self._names:
+                        self.counters["aliases"] += 1
+                    self._register(request, key, pin)
                     return cached
                 self.counters["reloads_stale"] += 1
-                self.cache.device.pop(key)
-            alias = self._same_content(request) if cached is None else None
-            if alias is not None:  # the same file under another id/name: share its factors, no disk read
-                loaded = dataclasses.replace(alias, name=request.lora_name, int_id=key)
-                self.counters["aliases"] += 1
-                return self._insert(loaded, pin)
         path = request.lora_path or (cached.record.path if cached is not None else "")
         if not path:
-            raise AdapterNotFound(f"adapter {request.lora_name!r} (id {key}) is not loaded and the request "
-                                  "gives no lora_path", param="lora_path")
+            raise AdapterNotFound(f"adapter {request.lora_name!r} (id {request.lora_int_id}) is not loaded and "
+                                  "the request gives no lora_path", param="lora_path")
         # read + convert + fit outside the lock: disk and CPU work only
-        loaded = load_adapter(path, self.pipeline_cls, self.denoisers, name=request.lora_name, int_id=key,
-                              model=self.model)
+        loaded = load_adapter(path, self.pipeline_cls, self.denoisers, name=request.lora_name,
+                              int_id=request.lora_int_id, model=self.model)
         with self._lock:
             self.counters["loads_from_disk"] += 1
-            return self._insert(loaded, pin)
+            new = identity_of(loaded)
+            if cached is not None and key != new:  # rewritten: the old content goes, its pin moves over
+                if key in self.cache.pinned:
+                    pin = True
+                    self._pinned_as.setdefault(new, set()).update(self._pinned_as.pop(key, ()))
+                self.cache.drop(key)
+                self._forget(key)
+            existing = self.cache.cpu.get(new)
+            if existing is not None and not existing.is_stale():
+                loaded = existing  # read concurrently by someone else
+            else:
+                self.cache.device.pop(new)  # never merge factors of an older read
+                self.cache.cpu.put(new, loaded, loaded.nbytes, keep=self.cache.keep([new]))
+            self._register(request, new, pin)
+            return loaded
 
-    def _insert(self, loaded: LoadedAdapter, pin: bool) -> LoadedAdapter:
+    def _lookup(self, request: LoRARequest) -> Identity | None:
+        """The identity a request names: by path when it gives one, else by id, then by name."""
+        by_id = self._ids.get(request.lora_int_id)
+        if by_id is not None and by_id not in self.cache.cpu:
+            by_id = None
+        if request.lora_path:
+            wanted = self._resolve(request.lora_path)
+            for key in self.cache.cpu.keys():
+                if wanted in self._paths.get(key, ()):
+                    if by_id is not None and by_id != key:
+                        self._refuse_id(request, by_id)
+                    return key
+            if by_id is not None:
+                self._refuse_id(request, by_id)
+            return None
+        if by_id is not None:
+            return by_id
+        by_name = self._names.get(request.lora_name)
+        return by_name if by_name is not None and by_name in self.cache.cpu else None
+
+    def _refuse_id(self, request: LoRARequest, key: Identity) -> None:
+        entry = self.cache.cpu._entries[key].value
+        raise AdapterError(f"lora_int_id {request.lora_int_id} is already adapter {entry.name!r} at "
+                           f"{entry.record.path}; use another id for {request.lora_path}", param="lora_int_id")
+
+    @staticmethod
+    def _resolve(path) -> str:
+        return str(_resolved(path))  # once per request (symlinks may change between requests)
+
+    def _register(self, request: LoRARequest, key: Identity, pin: bool) -> None:
+        entry = self.cache.cpu._entries[key].value if key in self.cache.cpu else None
+        if entry is not None and key not in self._paths:
+            if len(self._paths) > 2 * self.cache.cpu.capacity:  # drop what the CPU tier evicted
+                self._paths = {k: v for k, v in self._paths.items() if k in self.cache.cpu}
+            self._paths[key] = {key[0], str(_resolved(entry.record.path))}
+        self._ids[request.lora_int_id] = key
+        self._names[request.lora_name] = key
         if pin:
-            self.cache.pinned.add(loaded.int_id)
-        self.cache.cpu.put(loaded.int_id, loaded, loaded.nbytes, keep=self.cache.keep())
-        return loaded
+            self.cache.pinned.add(key)
+            self._pinned_as.setdefault(key, set()).update((request.lora_int_id, request.lora_name))
 
-    def _same_content(self, request: LoRARequest) -> LoadedAdapter | None:
-        """A cached, fresh entry for the same file (by path), or by name when no path is given."""
-        for entry in self.loaded():
-            if entry.is_stale():
-                continue
-            if request.lora_path and _same_path(request.lora_path, entry.record.path):
-                return entry
-            if not request.lora_path and entry.name == request.lora_name:
-                return entry
-        return None
+    def _forget(self, key: Identity) -> None:
+        self._paths.pop(key, None)
+        for table in (self._ids, self._names):
+            for k in [k for k, v in table.items() if v == key]:
+                del table[k]
 
     def prepare(self, adapters) -> None:
         """Read and fit the adapters of a coming request, so activation later is a short device step.
@@ -133,17 +214,50 @@ class LoRAEngine:
             self.load(request)
 
     def unload(self, name_or_id) -> None:
-        """Forget an adapter (both tiers, pin included). Its merged weights stay until the next switch."""
+        """Forget an adapter (both tiers, pin included). Its merged weights stay until the next switch.
+
+        A pinned adapter unloaded by another id or name than it was pinned under (a request's alias
+        for a pre-loaded file) only loses that alias: the pin and its entry stay."""
         with self._lock:
             key = self._key_of(name_or_id)
+            if key in self.cache.pinned and name_or_id not in self._pinned_as.get(key, ()):
+                table = self._ids if isinstance(name_or_id, int) else self._names
+                table.pop(name_or_id, None)
+                return
             self.cache.drop(key)
+            self._forget(key)
+            self._pinned_as.pop(key, None)
+
+    def unpin(self, name_or_id) -> None:
+        """Let an adapter be evicted again (it stays cached until then)."""
+        with self._lock:
+            key = self._key_of(name_or_id)
+            self.cache.pinned.discard(key)
+            self._pinned_as.pop(key, None)
+
+    def cached_identity(self, request_or_id) -> Identity | None:
+        """The identity of the fresh CPU-tier entry a request (or a lora_int_id) names; None when it
+        is not cached, stale on disk, or the request would be refused. Touches no LRU order."""
+        with self._lock:
+            try:
+                key = self._ids.get(request_or_id) if isinstance(request_or_id, int) else self._lookup(request_or_id)
+            except AdapterError:
+                return None
+            if key is None or key not in self.cache.cpu or self.cache.cpu._entries[key].value.is_stale():
+                return None
+            return key
+
+    def active_identities(self) -> set:
+        """The adapters in use now (merged or served unfused): never to be evicted by a prefetch."""
+        with self._lock:
+            return {ident for ident, _ in self._active_key if isinstance(ident, tuple)} | \
+                {ident for items in self._merged.values() for ident, _ in items}
 
     def find(self, name: str) -> LoadedAdapter | None:
         with self._lock:
-            for key in self.cache.cpu.keys():
-                entry = self.cache.cpu._entries[key].value
-                if entry.name == name:
-                    return entry
+            key = self._names.get(name)
+            if key is not None and key in self.cache.cpu:
+                return self.cache.cpu._entries[key].value
         return None
 
     def loaded(self) -> list[LoadedAdapter]:
@@ -151,31 +265,49 @@ class LoRAEngine:
             return [self.cache.cpu._entries[k].value for k in self.cache.cpu.keys()]
 
     # -- activation -------------------------------------------------------------------------------
-    def activate(self, adapters) -> list[dict]:
+    def activate(self, adapters, *, steps=None, mode=None, queued_same: int = 0) -> list[dict]:
         """Make exactly ``adapters`` (list of (LoRARequest, scale)) active; [] is the base model.
 
-        Returns the metadata of what is active: name, id, path, sha256, format, scale.
+        Returns the metadata of what is active (in request order, one row per adapter; an
+        adapter named twice appears once with its scales summed): name, id, path, sha256,
+        format, scale, mode ("merged" or "unfused").
+        ``steps``, ``mode`` ("auto" | "merge" | "unfused") and ``queued_same`` feed the
+        merge-or-unfused policy (``self.unfused.last_decision`` says what it chose).
         """
         adapters = list(adapters or [])
         with self._lock:
             self.counters["activations"] += 1
-            loaded = []
+            combined: dict[Identity, list] = {}  # identity -> [entry, {component: scale}, request]
             for request, scale in adapters:
                 if not isinstance(request, LoRARequest):
                     raise InvalidParameter(f"expected a LoRARequest, got {type(request).__name__}",
                                            param="lora_request")
                 entry = self.load(request)
                 scales = self._component_scales(entry, scale)
-                if any(s != 0.0 for s in scales.values()):
-                    loaded.append((entry, scales))
-            key = tuple((e.int_id, e.stamp, tuple(sorted(s.items()))) for e, s in loaded)
+                slot = combined.setdefault(identity_of(entry), [entry, {}, request])
+                for comp, value in scales.items():
+                    slot[1][comp] = slot[1].get(comp, 0.0) + value
+            meta = [self._meta(e, s, r) for e, s, r in combined.values() if any(v != 0.0 for v in s.values())]
+            loaded = sorted(((ident, e, {c: v for c, v in s.items() if v != 0.0})
+                             for ident, (e, s, _) in combined.items() if any(v != 0.0 for v in s.values())),
+                            key=lambda item: item[0])
+            key = tuple((ident, tuple(sorted(s.items()))) for ident, _, s in loaded)
+            # -- merge or unfused (backend/lora/unfused.py): served unfused = hooks, no weight write --
+            if self.unfused.serve(loaded, key, meta, steps=steps, mode=mode, queued_same=queued_same):
+                return [dict(m) for m in self._active_meta]
+            meta = [{**m, "mode": "merged"} for m in meta]
+            # -- end merge or unfused --
             if key == self._active_key:
                 self.counters["noop_activations"] += 1
-                return [dict(m) for m in self._active_meta]
+                self._active_meta = meta
+                return [dict(m) for m in meta]
             plan = self._plan(loaded)
-            self._apply(plan)
+            started, written = time.perf_counter(), self.counters["layers_written"]  # -- unfused: timing
+            self._apply(plan, {ident: e for ident, e, _ in loaded})
+            if self.counters["layers_written"] != written:  # -- unfused: the policy's measured bandwidth
+                self.unfused.observe_merge(time.perf_counter() - started)
             self._active_key = key
-            self._active_meta = [self._meta(e, s) for e, s in loaded]
+            self._active_meta = meta
             self.counters["switches"] += 1
             return [dict(m) for m in self._active_meta]
 
@@ -195,8 +327,8 @@ class LoRAEngine:
             try:
                 yield
             finally:
-                for snap in self._snapshots.values():
-                    snap.clear()
+                self.pristine.clear()
+                self._w0_amax.clear()
                 self._merged.clear()
 
     @property
@@ -221,115 +353,194 @@ class LoRAEngine:
         return {c: value for c in bound}
 
     def _plan(self, loaded) -> dict[tuple[str, str], list]:
-        """(component, module) -> [(adapter entry, scale)] for every layer the new set touches."""
+        """(component, module) -> [(identity, scale)] (canonical order) for every layer the set touches."""
         plan: dict[tuple[str, str], list] = {}
-        for entry, scales in loaded:
+        for ident, entry, scales in loaded:
             for comp, s in scales.items():
-                if s == 0.0:
-                    continue
                 for module in entry.bindings[comp].layers:
-                    plan.setdefault((comp, module), []).append((entry, s))
+                    plan.setdefault((comp, module), []).append((ident, s))
         return plan
 
-    def _apply(self, plan) -> None:
-        def contribution(items):
-            return tuple((e.int_id, e.stamp, s) for e, s in items)
+    def _changed(self, plan) -> list[tuple[str, str]]:
+        """The layers (sorted) whose planned contributions differ from what is merged there now."""
+        return [t for t in sorted(set(plan) | set(self._merged)) if tuple(plan.get(t, ())) != self._merged.get(t, ())]
 
-        targets = set(plan) | set(self._merged)
-        changed = [t for t in sorted(targets)
-                   if contribution(plan.get(t, [])) != self._merged.get(t, ())]
-        device_factors = self._device_factors({e.int_id: e for items in plan.values() for e, _ in items})
-        work = []
-        for comp, module in changed:
-            contributions = [(device_factors[e.int_id][(comp, module)], s) for e, s in plan.get((comp, module), [])]
-            work.append((comp, module, contributions))
+    @staticmethod
+    def _contributions(plan, target, entries, device_factors) -> list:
+        """One layer's contributions ``(factors, scale, name)`` in the plan's canonical order."""
+        return [(device_factors[ident][target], s, entries[ident].name) for ident, s in plan.get(target, [])]
+
+    def _apply(self, plan, entries: dict[Identity, LoadedAdapter]) -> None:
+        changed = self._changed(plan)
+        if not changed:
+            return
+        device_factors = self._device_factors(entries)
+        work = [(comp, module, self._contributions(plan, (comp, module), entries, device_factors))
+                for comp, module in changed]
         self._capture_pristine(work)
         try:
-            if all(self._params[c][f"{m}.weight"].device.type == "cpu" for c, m, _ in work):
-                run_tasks(self._write_layer, work)  # independent layers: no barrier per GEMM
-            else:
-                for item in work:
-                    self._write_layer(item)
+            self._write_all(work)
         except _LayerWriteFailed as failed:
             self._rollback(set(self._merged) | {(c, m) for c, m, _ in work})
-            raise AdapterError(f"activating adapters failed at {failed.layer} ({failed.cause}); every touched "
-                               "layer was restored and the base model is active",
-                               param="lora_request") from failed.cause
+            raise self._refusal(failed) from (None if isinstance(failed.cause, _NonFinite) else failed.cause)
         for t in changed:
             if t in plan:
-                self._merged[t] = contribution(plan[t])
+                self._merged[t] = tuple(plan[t])
             else:
                 self._merged.pop(t, None)
         self.counters["layers_written"] += len(changed)
+        self.counters["bytes_written"] += sum(self._params[c][f"{m}.weight"].numel() *
+                                              self._params[c][f"{m}.weight"].element_size() for c, m in changed)
 
-    def _write_layer(self, item) -> None:
-        comp, module, contributions = item
+    def restore_base(self) -> None:
+        """Put every merged layer back to its pristine original (the merge path's own restore)."""
+        self._apply({}, {})
+
+    def _refusal(self, failed: _LayerWriteFailed) -> AdapterError:
+        """The error for an activation refused at one layer (the base model is active again)."""
+        if isinstance(failed.cause, _NonFinite):
+            self.counters["nonfinite_refused"] += 1
+            return AdapterError(f"{failed.cause} at {failed.layer}: the merged weight is not finite (inf/nan); "
+                                "refused, every touched layer was restored and the base model is active",
+                                param="lora_request")
+        return AdapterError(f"activating adapters failed at {failed.layer} ({failed.cause}); every touched "
+                            "layer was restored and the base model is active", param="lora_request")
+
+    def _unfused_factors(self, comp: str, module: str, contributions) -> tuple:
+        """``(b, a, alpha, bias)`` for serving one layer unfused (``y += alpha * B'(A'x) + bias'``): the
+        merge's own stacked factors (``_stacked``) and bias terms. Raises ``_LayerWriteFailed`` when
+        the delta ``alpha * B'A'`` (+ bias) is not finite; by the factors' bounds that is known
+        without any device work except for absurd factors or scales."""
+        weight = self._params[comp][f"{module}.weight"]
+        b, a, alpha = _stacked(contributions, weight.dtype)
+        terms = list(_bias_terms(contributions))
+        bias = None if not terms else sum(terms[1:], terms[0]).to(weight.dtype)
+        if not self._delta_bound(contributions) < 0.5 * torch.finfo(weight.dtype).max:
+            with torch.no_grad():
+                delta = (torch.mm(b.float(), a.float()) * alpha).to(weight.dtype)
+                ok = bool(torch.isfinite(delta.sum(dtype=torch.float64)))
+                ok = ok and (bias is None or bool(torch.isfinite(bias.sum(dtype=torch.float64))))
+            if not ok:
+                raise _LayerWriteFailed(f"{comp}.{module}", _NonFinite(self._blame(contributions)))
+        return b, a, alpha, bias
+
+    @staticmethod
+    def _delta_bound(contributions) -> float:
+        """No element of the stacked delta (and bias) exceeds sum_i |c_i| r_i max|B_i| max|A_i| (+ max|bias_i|)."""
+        return sum(abs(s * f.scaling) * f.bound for f, s, _ in contributions)
+
+    def _write_all(self, work) -> None:
+        """Write every layer of a switch; on CPU spread over single-threaded workers, on a GPU in one
+        stream with the host originals' copies overlapped (``PristineStore.stream_originals``)."""
+        if all(self._params[c][f"{m}.weight"].device.type == "cpu" for c, m, _ in work):
+            def one(item):
+                comp, module, contributions = item
+                self._write_layer(comp, module, contributions, self.pristine.saved[(comp, f"{module}.weight")])
+                self._check_finite(comp, module, contributions, sync=True)
+
+            run_tasks(one, work)  # independent layers: no barrier per GEMM
+            return
+        keys = [((c, f"{m}.weight"), self._params[c][f"{m}.weight"]) for c, m, _ in work]
+        flags = []
+        for i, w0 in self.pristine.stream_originals(keys):
+            comp, module, contributions = work[i]
+            self._write_layer(comp, module, contributions, w0)
+            flags.append(self._finite_flag(comp, module, contributions))
+        bad = [i for i, f in enumerate(flags) if f is not None and not bool(f)]  # one sync, at the end
+        if bad:
+            comp, module, contributions = work[bad[0]]
+            raise _LayerWriteFailed(f"{comp}.{module}", _NonFinite(self._blame(contributions)))
+
+    def _write_layer(self, comp: str, module: str, contributions, w0) -> None:
         try:
-            self._write(comp, module, contributions)
+            self._write(comp, module, contributions, w0)
         except Exception as exc:
             raise _LayerWriteFailed(f"{comp}.{module}", exc) from exc
 
-    def _write(self, comp: str, module: str, contributions) -> None:
-        """Write one layer as pristine + the given contributions (fp32 math, one rounding)."""
+    def _write(self, comp: str, module: str, contributions, w0: torch.Tensor) -> None:
+        """Write one layer as pristine + the contributions: one GEMM, fp32 accumulation, one rounding."""
         params = self._params[comp]
-        snap = self._snapshots[comp]
         w_name, b_name = f"{module}.weight", f"{module}.bias"
         weight = params[w_name]
         with torch.no_grad():
-            w0 = snap.saved[w_name].to(weight.device, non_blocking=True)
             if not contributions:
                 weight.data.copy_(w0)
-            elif weight.dtype == torch.float32:
-                (first, s0), rest = contributions[0], contributions[1:]
-                torch.addmm(w0, first.b, first.a, alpha=s0 * first.scaling, out=weight.data)
-                for f, s in rest:
-                    weight.data.addmm_(f.b, f.a, alpha=s * f.scaling)
-            else:  # low precision: sum in an fp32 scratch buffer, round once
-                acc = self._scratch(weight)
-                acc.copy_(w0)
-                for f, s in contributions:
-                    acc.addmm_(f.b, f.a, alpha=s * f.scaling)
-                weight.data.copy_(acc)
-            if b_name in snap.saved:
+            else:
+                b, a, alpha = _stacked(contributions, weight.dtype)
+                torch.addmm(w0, b, a, alpha=alpha, out=weight.data)
+            key = (comp, b_name)
+            if key in self.pristine:
                 bias = params[b_name]
-                b0 = snap.saved[b_name].to(bias.device, non_blocking=True)
+                b0 = self.pristine.saved[key].to(bias.device, non_blocking=True)
                 acc = b0.float()
-                for f, s in contributions:
-                    if f.bias is not None:
-                        acc = acc + f.bias * (s * f.scaling)
+                for term in _bias_terms(contributions):
+                    acc = acc + term
                 bias.data.copy_(acc)
 
-    def _scratch(self, weight: torch.Tensor) -> torch.Tensor:
-        """A reused fp32 buffer per writing thread (no per-switch allocations, so RSS stays flat)."""
-        key = (weight.device, threading.get_ident())
-        buf = self._scratch_buf.get(key)
-        if buf is None or buf.numel() < weight.numel():
-            buf = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
-            self._scratch_buf[key] = buf
-        return buf[: weight.numel()].view(weight.shape)
+    def _finite_flag(self, comp: str, module: str, contributions):
+        """None when the result is finite by construction, else a device bool to read.
+
+        |W| <= max|W0| + sum_i |c_i| r_i max|B_i| max|A_i| elementwise; when that bound (with a
+        factor 2 for rounding) stays below the dtype's largest value, no element can be inf or
+        nan and nothing is read. Otherwise (an Infinity alpha, factors of 1e30...) the written
+        weight is checked."""
+        if not contributions:
+            return None
+        weight = self._params[comp][f"{module}.weight"]
+        w0 = self._w0_amax.get((comp, module))
+        if w0 is not None:
+            bound = w0 + self._delta_bound(contributions)
+            if bound < 0.5 * torch.finfo(weight.dtype).max:
+                return None
+        # one read pass, no temporary: a float64 sum is finite iff every element is (an inf or nan
+        # anywhere makes it inf/nan; finite bf16/fp32 values cannot overflow a float64 sum)
+        flag = torch.isfinite(self._params[comp][f"{module}.weight"].sum(dtype=torch.float64))
+        bias = self._params[comp].get(f"{module}.bias")
+        if bias is not None and (comp, f"{module}.bias") in self.pristine:
+            flag = flag & torch.isfinite(bias.sum(dtype=torch.float64))
+        return flag
+
+    def _check_finite(self, comp: str, module: str, contributions, sync: bool) -> None:
+        flag = self._finite_flag(comp, module, contributions)
+        if flag is not None and not bool(flag):
+            raise _LayerWriteFailed(f"{comp}.{module}", _NonFinite(self._blame(contributions)))
+
+    @staticmethod
+    def _blame(contributions) -> str:
+        """The adapter(s) whose own delta on this layer is not finite (all of them if none alone is)."""
+        bad = []
+        for f, s, name in contributions:
+            c = s * f.scaling
+            delta_ok = math.isfinite(c) and bool(torch.isfinite(f.b.float() * c).all()) and \
+                bool(torch.isfinite(f.a).all())
+            if not delta_ok or not bool(torch.isfinite((f.b.float() * c) @ f.a.float()).all()):
+                bad.append(name)
+        names = bad or [name for _, _, name in contributions]
+        return "adapter " + ", ".join(repr(n) for n in names)
 
     def _capture_pristine(self, work) -> None:
         """Copy, before their first write, exactly the tensors this switch will write."""
-        names: dict[str, list[str]] = {}
         for comp, module, contributions in work:
-            names.setdefault(comp, []).append(f"{module}.weight")
-            if any(f.bias is not None for f, _ in contributions):
-                names[comp].append(f"{module}.bias")
-        for comp, todo in names.items():
-            self._snapshots[comp].capture(todo)
+            params = self._params[comp]
+            if (comp, f"{module}.weight") not in self.pristine:
+                self.pristine.capture((comp, f"{module}.weight"), params[f"{module}.weight"])
+                self._w0_amax[(comp, module)] = _amax(params[f"{module}.weight"])
+            if any(f.bias is not None for f, _, _ in contributions) and f"{module}.bias" in params:
+                if (comp, f"{module}.bias") not in self.pristine:
+                    self.pristine.capture((comp, f"{module}.bias"), params[f"{module}.bias"])
+                    self._w0_amax[(comp, module)] = max(self._w0_amax[(comp, module)],
+                                                        _amax(params[f"{module}.bias"]))
 
     def _rollback(self, layers) -> None:
-        with torch.no_grad():
-            for comp, module in layers:
-                snap, params = self._snapshots[comp], self._params[comp]
-                for name in (f"{module}.weight", f"{module}.bias"):
-                    if name in snap.saved:
-                        params[name].data.copy_(snap.saved[name].to(params[name].device))
+        for comp, module in layers:
+            for name in (f"{module}.weight", f"{module}.bias"):
+                if (comp, name) in self.pristine:
+                    self.pristine.put_back((comp, name), self._params[comp][name])
         self._merged.clear()
         self._active_key, self._active_meta = (), []
         self.counters["rollbacks"] += 1
 
-    def _device_factors(self, entries: dict[int, LoadedAdapter]) -> dict[int, dict]:
+    def _device_factors(self, entries: dict[Identity, LoadedAdapter]) -> dict[Identity, dict]:
         """Device-tier factors for the adapters of one activation (moving them there if needed)."""
         out = {}
         keep = self.cache.keep(entries)
@@ -339,13 +550,15 @@ class LoRAEngine:
                 factors = {}
                 for comp, binding in entry.bindings.items():
                     for module, f in binding.layers.items():
-                        device = self._params[comp][f"{module}.weight"].device
+                        weight = self._params[comp][f"{module}.weight"]
                         bias = f.tensors.get("lora_B.bias")
+                        fa, fb = f.tensors["lora_A.weight"], f.tensors["lora_B.weight"]
+                        bound = fa.shape[0] * _amax(fa) * _amax(fb) + (0.0 if bias is None else _amax(bias))
                         factors[(comp, module)] = _DeviceFactors(
-                            a=f.tensors["lora_A.weight"].to(device, torch.float32).contiguous(),
-                            b=f.tensors["lora_B.weight"].to(device, torch.float32).contiguous(),
-                            bias=None if bias is None else bias.to(device, torch.float32),
-                            scaling=f.scaling)
+                            a=f.tensors["lora_A.weight"].to(weight.device, weight.dtype).contiguous(),
+                            b=f.tensors["lora_B.weight"].to(weight.device, weight.dtype).contiguous(),
+                            bias=None if bias is None else bias.to(weight.device, weight.dtype),
+                            scaling=f.scaling, bound=bound)
                 nbytes = sum(t.numel() * t.element_size() for d in factors.values()
                              for t in (d.a, d.b, d.bias) if t is not None)
                 self.cache.device.put(key, factors, nbytes, keep=keep)
@@ -353,41 +566,73 @@ class LoRAEngine:
         return out
 
     # -- helpers ------------------------------------------------------------------------------------
-    def _check_same(self, entry: LoadedAdapter, request: LoRARequest) -> None:
-        if request.lora_path and _same_path(request.lora_path, entry.record.path) is False:
-            raise AdapterError(f"lora_int_id {request.lora_int_id} is already adapter {entry.name!r} at "
-                               f"{entry.record.path}; use another id for {request.lora_path}",
-                               param="lora_int_id")
-
-    def _key_of(self, name_or_id):
+    def _key_of(self, name_or_id) -> Identity:
         if isinstance(name_or_id, int):
-            if name_or_id not in self.cache.cpu and name_or_id not in self.cache.device:
+            key = self._ids.get(name_or_id)
+            if key is None or (key not in self.cache.cpu and key not in self.cache.device):
                 raise AdapterNotFound(f"no loaded adapter with id {name_or_id}", param="lora_int_id")
-            return name_or_id
-        entry = self.find(name_or_id)
-        if entry is None:
+            return key
+        key = self._names.get(name_or_id)
+        if key is None or key not in self.cache.cpu:
             raise AdapterNotFound(f"no loaded adapter named {name_or_id!r}", param="lora_name")
-        return entry.int_id
+        return key
 
-    def _meta(self, entry: LoadedAdapter, scales: dict[str, float]) -> dict:
+    def _meta(self, entry: LoadedAdapter, scales: dict[str, float], request: LoRARequest) -> dict:
         values = set(scales.values())
         scale = values.pop() if len(values) == 1 else dict(scales)
-        return {"name": entry.name, "int_id": entry.int_id, "path": str(entry.record.path),
+        return {"name": request.lora_name, "int_id": request.lora_int_id, "path": str(entry.record.path),
                 "sha256": entry.record.sha256, "format": entry.record.format, "scale": scale}
 
     def pristine_bytes(self) -> int:
-        return sum(s.nbytes() for s in self._snapshots.values())
+        return self.pristine.nbytes()
+
+    def pristine_info(self) -> dict:
+        """Where the originals live and how much they take (for /metrics, the System tab, ``adapters``)."""
+        return {"mode": self.pristine_mode, "placement": self.pristine.placement, "where": self.pristine.where(),
+                "reason": self.pristine_reason, "bytes": self.pristine.nbytes(),
+                "targetable_bytes": self.targetable_bytes}
 
     def stats(self) -> dict:
         """Cache tiers, counters and bytes, for the UI and the benchmark."""
         with self._lock:
             tiers = self.cache.stats()
             names = {k: self.cache.cpu._entries[k].value.name for k in self.cache.cpu.keys()}
-            tiers["device"]["adapters"] = [names.get(k, str(k)) for k in self.cache.device.keys()]
+            tiers["device"]["adapters"] = [names.get(k, k[0]) for k in self.cache.device.keys()]
             tiers["cpu"]["adapters"] = [names[k] for k in self.cache.cpu.keys()]
-            return {"tiers": tiers, "pinned": sorted(names.get(k, str(k)) for k in self.cache.pinned),
+            return {"tiers": tiers, "pinned": sorted(names.get(k, k[0]) for k in self.cache.pinned),
                     "active": self.active, "counters": dict(self.counters),
-                    "merged_layers": len(self._merged), "pristine_bytes": self.pristine_bytes()}
+                    "merged_layers": len(self._merged), "pristine_bytes": self.pristine_bytes(),
+                    "pristine": self.pristine_info(), "unfused": self.unfused.stats()}
+
+
+def _stacked(contributions, dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(B, A, alpha) for one addmm: a single adapter as stored with its scale as alpha; several
+    concatenated along the rank, each B_i scaled by c_i in fp32 and rounded once to ``dtype``
+    (or as stored, with a common alpha, when all share one scale)."""
+    coeffs = [s * f.scaling for f, s, _ in contributions]
+    if len(contributions) == 1:
+        f = contributions[0][0]
+        return f.b, f.a, coeffs[0]
+    a = torch.cat([f.a for f, _, _ in contributions], dim=0)
+    if all(c == coeffs[0] for c in coeffs):
+        return torch.cat([f.b for f, _, _ in contributions], dim=1), a, coeffs[0]
+    b = torch.cat([(f.b.float() * c).to(dtype) for (f, _, _), c in zip(contributions, coeffs)], dim=1)
+    return b, a, 1.0
+
+
+def _bias_terms(contributions):
+    """Each adapter's bias contribution ``bias_i * c_i`` in fp32 (adapters without a bias give none)."""
+    for f, s, _ in contributions:
+        if f.bias is not None:
+            yield f.bias.float() * (s * f.scaling)
+
+
+def _amax(t: torch.Tensor) -> float:
+    """Largest |element| as a Python float (inf when any element is not finite)."""
+    if t.numel() == 0:
+        return 0.0
+    v = float(torch.linalg.vector_norm(t.detach(), ord=math.inf))  # exact in any dtype: a max, no sum
+    return v if math.isfinite(v) else math.inf
 
 
 def _finite(value) -> float:
@@ -398,6 +643,15 @@ def _finite(value) -> float:
     if not math.isfinite(v):
         raise InvalidParameter(f"lora_scale must be finite, got {value!r}", param="lora_scale")
     return v
+
+
+def _resolved(p):
+    from pathlib import Path
+
+    try:
+        return Path(p).expanduser().resolve()
+    except OSError:
+        return Path(p)
 
 
 def _same_path(a, b) -> bool:

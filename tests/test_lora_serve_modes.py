@@ -1,0 +1,114 @@
+"""Unfused serving and prefetch through a real `python app.py serve` (one server for the module):
+metadata says the adapters ran unfused and the base image comes back bit for bit; a cold adapter
+of a job queued behind a running one is read by prefetch, so that job starts with 0 disk reads."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from backend.api.server import free_port
+from ui_fixtures import wait_until_up
+
+ROOT = Path(__file__).resolve().parents[1]
+INK = "demo/qwen-image/qwen-image-ink-kohya.safetensors"
+FILM = "demo/qwen-image/qwen-image-film-diffusers.safetensors"
+NEON = "demo/qwen-image/qwen-image-neon-peft"
+
+
+@pytest.fixture(scope="module")
+def server(data_dir, tmp_path_factory):
+    from backend.lora import demo_adapters
+
+    demo_adapters.ensure(data_dir)
+    port, log_dir = free_port(), tmp_path_factory.mktemp("serve-modes")
+    log = open(log_dir / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "app.py", "serve", "demo:qwen-image", "--port", str(port),
+                             "--data-dir", str(data_dir), "--device", "cpu", "--lora-mode", "unfused",
+                             "--lora-prefetch", "2", "--max-loras", "2", "--max-cpu-loras", "3"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(proc, url + "/", log_dir / "server.log", paths=("health",))
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+def generate(url: str, steps: int = 2, **body) -> dict:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=600,
+                   json={"messages": [{"role": "user", "content": "a lighthouse"}],
+                         "extra_body": {"num_inference_steps": steps, "seed": 7, "height": 64, "width": 64,
+                                        "true_cfg_scale": 1.0, **body}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    png = base64.b64decode(out["choices"][0]["message"]["content"][0]["image_url"]["url"].split(",", 1)[1])
+    return {"image": np.asarray(Image.open(io.BytesIO(png)).convert("RGB")), **out["metadata"][0]}
+
+
+def test_metadata_says_unfused_and_the_base_comes_back(server):
+    base = generate(server)
+    ink = generate(server, lora={"path": INK, "scale": 1.0})
+    assert np.abs(ink["image"].astype(int) - base["image"]).mean() > 1.0
+    assert [a["mode"] for a in ink["adapters"]] == ["unfused"]
+    assert ink["lora_mode"]["mode"] == "unfused" and ink["lora_mode"]["requested"] == "unfused"
+    stats = httpx.get(f"{server}/metrics").json()["lora_cache"]
+    assert stats["merged_layers"] == 0 and stats["unfused"]["hooked_layers"] > 0  # hooks, no weight written
+    again = generate(server)
+    assert np.array_equal(again["image"], base["image"]) and "lora_mode" not in again  # the base, bit for bit
+    # a request field overrides the server's --lora-mode
+    merged = generate(server, lora={"path": INK, "scale": 1.0}, lora_mode="merge")
+    assert [a["mode"] for a in merged["adapters"]] == ["merged"] and merged["lora_mode"]["requested"] == "merge"
+    assert np.abs(merged["image"].astype(int) - ink["image"]).max() <= 1  # the same image, to uint8 rounding
+    r = httpx.post(f"{server}/v1/images/generations", timeout=120,
+                   json={"prompt": "x", "num_inference_steps": 2, "lora_mode": "fused"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_mode", r.text
+
+
+def test_prefetch_reads_the_next_jobs_adapter_while_one_renders(server):
+    before = httpx.get(f"{server}/metrics").json()["lora_cache"]
+    results = {}
+
+    def run(name, **kw):
+        results[name] = generate(server, **kw)
+
+    long_job = threading.Thread(target=run, args=("long",), kwargs={"steps": 60})
+    long_job.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the long job is rendering
+        jobs = httpx.get(f"{server}/v1/jobs").json()
+        rows = jobs.get("data", jobs) if isinstance(jobs, dict) else jobs
+        if any(j["status"] == "running" and j["params"].get("num_inference_steps") == 60 for j in rows):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the long job never started")
+    cold = threading.Thread(target=run, args=("cold",), kwargs={"lora": {"path": FILM, "scale": 1.0}})
+    cold.start()
+    long_job.join(600)
+    cold.join(600)
+    assert results["cold"]["lora_disk_reads"] == 0  # prefetch had it: the job read nothing from disk
+    after = httpx.get(f"{server}/metrics").json()["lora_cache"]
+    assert after["prefetch"]["read"] - (before.get("prefetch") or {}).get("read", 0) == 1
+    assert after["counters"]["loads_from_disk"] - before["counters"]["loads_from_disk"] == 1  # read once
+    # a cold adapter on an idle worker (nothing queued to prefetch it): its own job reads it
+    alone = generate(server, lora={"path": NEON, "scale": 1.0})
+    assert alone["lora_disk_reads"] == 1
