@@ -3,9 +3,6 @@ metadata says the adapters ran unfused and the base image comes back bit for bit
 of a job queued behind a running one is read by prefetch, so that job starts with 0 disk reads."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,8 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from backend.api.server import free_port
-from ui_fixtures import wait_until_up
+from ui_fixtures import served_app
 
 ROOT = Path(__file__).resolve().parents[1]
 INK = "demo/qwen-image/qwen-image-ink-kohya.safetensors"
@@ -32,25 +28,9 @@ def server(data_dir, tmp_path_factory):
     from backend.lora import demo_adapters
 
     demo_adapters.ensure(data_dir)
-    port, log_dir = free_port(), tmp_path_factory.mktemp("serve-modes")
-    log = open(log_dir / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "app.py", "serve", "demo:qwen-image", "--port", str(port),
-                             "--data-dir", str(data_dir), "--device", "cpu", "--lora-mode", "unfused",
-                             "--lora-prefetch", "2", "--max-loras", "2", "--max-cpu-loras", "3"],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(proc, url + "/", log_dir / "server.log", paths=("health",))
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+    with served_app(data_dir, "--lora-mode", "unfused", "--lora-prefetch", "2", "--max-loras", "2",
+                    "--max-cpu-loras", "3", env={"OMP_NUM_THREADS": "1"}, start_new_session=True) as served:
+        yield served.url
 
 
 def generate(url: str, steps: int = 2, **body) -> dict:

@@ -9,9 +9,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -322,31 +319,13 @@ def test_vllm_omni_runtime_names_are_refused_by_key(rt, tmp_path):
 
 @pytest.fixture(scope="module")
 def server(data_dir, demo_path, tmp_path_factory):
-    from backend.api.server import free_port
-    from ui_fixtures import wait_until_up
+    from ui_fixtures import app_home, served_app
 
     demo_path("demo:minimax-h3")
-    home = tmp_path_factory.mktemp("mm-serve")
-    (home / "models").symlink_to(data_dir / "models", target_is_directory=True)
+    home = app_home(data_dir, tmp_path_factory, "mm-serve")
     (home / "adapters").mkdir()
-    port = free_port()
-    log = home / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "app.py", "serve", "demo:minimax-h3", "--host", "127.0.0.1",
-                                 "--port", str(port), "--data-dir", str(home), "--device", "cpu"],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "LORA_STUDIO_HOME": str(home)})
-    try:
-        url = f"http://127.0.0.1:{port}/"
-        wait_until_up(proc, url, log, paths=("health",))
-        yield url, home
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with served_app(home, model="demo:minimax-h3") as served:
+        yield served.url + "/", home
 
 
 def test_server_refuses_unfit_minimax_adapters_with_4xx_json(server):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import socket
 import subprocess
@@ -24,68 +23,36 @@ import psutil
 import pytest
 
 from backend.api.server import free_port
-from ui_fixtures import MODEL, wait_until_up
+from ui_fixtures import MODEL, ServedApp, app_home, start_app
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY, USER, PASSWORD = "k3y-sec", "alice", "pa55-word"
 
 
-class Served:
-    def __init__(self, proc, port: int, home: Path):
-        self.proc, self.port, self.home = proc, port, home
-        self.url = f"http://127.0.0.1:{port}"
-
-    def client(self, source: str = "127.0.0.1", **kw) -> httpx.Client:
-        """An HTTP client talking from ``source`` (any 127.0.0.N: the throttle counts per address)."""
-        return httpx.Client(base_url=self.url, timeout=60, transport=httpx.HTTPTransport(local_address=source), **kw)
-
-
-def _serve(tmp_path_factory, data_dir, demo_path, *flags):
+def _serve(tmp_path_factory, data_dir, demo_path, *flags) -> ServedApp:
     demo_path(MODEL)
-    home = tmp_path_factory.mktemp("auth-app")
-    (home / "models").symlink_to(data_dir / "models", target_is_directory=True)
-    port = free_port()
-    log = home / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "app.py", "serve", MODEL, "--port", str(port), "--data-dir", str(home),
-                                 "--device", "cpu", *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "LORA_STUDIO_HOME": str(home), "OMP_NUM_THREADS": "1"})
-    try:
-        wait_until_up(proc, f"http://127.0.0.1:{port}/", log, paths=("health",))
-    except BaseException:
-        proc.kill()
-        raise
-    return Served(proc, port, home)
-
-
-def _stop(served: Served) -> None:
-    served.proc.terminate()
-    try:
-        served.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        served.proc.kill()
-        served.proc.wait()
+    return start_app(app_home(data_dir, tmp_path_factory, "auth-app"), *flags, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
 def key_srv(tmp_path_factory, data_dir, demo_path):
     served = _serve(tmp_path_factory, data_dir, demo_path, "--api-key", KEY)
     yield served
-    _stop(served)
+    served.stop()
 
 
 @pytest.fixture(scope="module")
 def login_srv(tmp_path_factory, data_dir, demo_path):
     served = _serve(tmp_path_factory, data_dir, demo_path, "--auth", f"{USER}:{PASSWORD}")
     yield served
-    _stop(served)
+    served.stop()
 
 
 @pytest.fixture(scope="module")
 def both_srv(tmp_path_factory, data_dir, demo_path):
     served = _serve(tmp_path_factory, data_dir, demo_path, "--auth", f"{USER}:{PASSWORD}", "--api-key", KEY)
     yield served
-    _stop(served)
+    served.stop()
 
 
 def _basic(user: str, password: str) -> dict:
@@ -128,7 +95,7 @@ def _concrete(path: str) -> str:
     return re.sub(r"\{[^}]*\}", "x", path)
 
 
-def _assert_all_closed(served: Served, source: str) -> int:
+def _assert_all_closed(served: ServedApp, source: str) -> int:
     routes = _routes()
     assert len(routes) > 60, routes  # Gradio's routes are in the list, not only ours
     checked, open_ = 0, []

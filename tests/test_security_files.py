@@ -22,8 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.api.server import free_port
-from ui_fixtures import wait_until_up
+from ui_fixtures import app_home, served_app
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo:qwen-image"
@@ -148,9 +147,7 @@ def served(data_dir, demo_path, tmp_path_factory):
 
     demo_path(MODEL)
     demo_adapters.ensure(data_dir)
-    demo = data_dir / "adapters" / "demo" / "qwen-image"
-    home = tmp_path_factory.mktemp("sec-files")
-    (home / "models").symlink_to(data_dir / "models", target_is_directory=True)
+    home = app_home(data_dir, tmp_path_factory, "sec-files")
     secret_dir = home / "outside"
     secret_dir.mkdir()
     (secret_dir / "secret.safetensors").write_bytes(SECRET)
@@ -158,24 +155,8 @@ def served(data_dir, demo_path, tmp_path_factory):
     (home / "adapters" / "leak.safetensors").symlink_to(secret_dir / "secret.safetensors")
     hostile = home / "hostile"  # an --adapter-dir, filled by the `hostile` fixture (after the first tests)
     hostile.mkdir()
-    port = free_port()
-    log = home / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "app.py", "serve", MODEL, "--host", "127.0.0.1", "--port", str(port),
-                                 "--data-dir", str(home), "--device", "cpu", "--adapter-dir", str(hostile)],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "LORA_STUDIO_HOME": str(home), "OMP_NUM_THREADS": "1"})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_up(proc, url + "/", log)
-        yield Served(url, home, hostile, {}, secret_dir)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with served_app(home, "--adapter-dir", str(hostile), paths=("health", ""), env={"OMP_NUM_THREADS": "1"}) as app:
+        yield Served(app.url, home, hostile, {}, secret_dir)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ import os
 import resource
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backend.api.server import free_port
-from ui_fixtures import wait_until_up
+from ui_fixtures import app_home, served_app
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo:qwen-image"
@@ -30,42 +27,12 @@ SHORT = {"prompt": "short", "num_inference_steps": 1}
 LONG = {"prompt": "long", "height": 2048, "width": 2048, "num_inference_steps": 100}
 
 
-def _serve(data_dir, home: Path, *flags, preexec_fn=None):
-    home.mkdir(parents=True, exist_ok=True)
-    if not (home / "models").exists():
-        (home / "models").symlink_to(data_dir / "models", target_is_directory=True)  # built once, shared
-    port = free_port()
-    log = home / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "app.py", "serve", MODEL, "--port", str(port), "--device", "cpu",
-                                 "--data-dir", str(home), *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "LORA_STUDIO_HOME": str(home), "OMP_NUM_THREADS": "1"},
-                                preexec_fn=preexec_fn)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(proc, url + "/", log)
-    except BaseException:
-        _stop(proc)
-        raise
-    return proc, url
-
-
-def _stop(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(data_dir, demo_path, tmp_path_factory):
     demo_path(MODEL)
-    home = tmp_path_factory.mktemp("limits")
-    proc, url = _serve(data_dir, home, "--max-queue", "120")
-    yield url, home
-    _stop(proc)
+    with served_app(app_home(data_dir, tmp_path_factory, "limits"), "--max-queue", "120", paths=("health", ""),
+                    env={"OMP_NUM_THREADS": "1"}) as served:
+        yield served.url, served.home
 
 
 def _jobs(url) -> list[dict]:
@@ -286,10 +253,9 @@ def _small_files():
 @pytest.fixture(scope="module")
 def strict(data_dir, demo_path, tmp_path_factory):
     demo_path(MODEL)
-    home = tmp_path_factory.mktemp("strict")
-    proc, url = _serve(data_dir, home, "--job-timeout", "4", "--client-timeout", "2", preexec_fn=_small_files)
-    yield url, home
-    _stop(proc)
+    with served_app(app_home(data_dir, tmp_path_factory, "strict"), "--job-timeout", "4", "--client-timeout", "2",
+                    paths=("health", ""), env={"OMP_NUM_THREADS": "1"}, preexec_fn=_small_files) as served:
+        yield served.url, served.home
 
 
 def test_job_timeout_fails_a_long_job_and_the_next_one_runs(strict):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -16,16 +15,10 @@ import pytest
 
 from backend.api.server import free_port
 from backend.jobs.queue import SCHEMA
-from ui_fixtures import wait_until_up
+from ui_fixtures import app_home, served_app
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo:qwen-image"
-
-
-def _home(data_dir, tmp_path_factory, name) -> Path:
-    home = tmp_path_factory.mktemp(name)
-    (home / "models").symlink_to(data_dir / "models", target_is_directory=True)  # built once, shared
-    return home
 
 
 def _bad_row(db: Path, job_id: str, status: str, **columns) -> None:
@@ -39,29 +32,14 @@ def _bad_row(db: Path, job_id: str, status: str, **columns) -> None:
 def server(data_dir, demo_path, tmp_path_factory):
     """A store from before schema versions (user_version 0) holding two damaged unfinished rows."""
     demo_path(MODEL)
-    home = _home(data_dir, tmp_path_factory, "store")
+    home = app_home(data_dir, tmp_path_factory, "store")
     db = home / "jobs.sqlite"
     with sqlite3.connect(db) as conn:
         conn.executescript(SCHEMA)
     _bad_row(db, "badrunning00", "running", params="{not json")
     _bad_row(db, "badqueued000", "queued", adapters="[oops")
-    port = free_port()
-    log = home / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "app.py", "serve", MODEL, "--port", str(port), "--device", "cpu",
-                                 "--data-dir", str(home)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "LORA_STUDIO_HOME": str(home), "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(proc, url + "/", log, paths=("health",))
-        yield url, db
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with served_app(home, env={"OMP_NUM_THREADS": "1"}) as served:
+        yield served.url, db
 
 
 def _job(url, job_id) -> dict:
@@ -99,7 +77,7 @@ def _start(home: Path) -> subprocess.CompletedProcess:
 
 
 def test_a_corrupt_store_stops_the_start_with_one_line_naming_the_file(data_dir, tmp_path_factory):
-    home = _home(data_dir, tmp_path_factory, "corrupt")
+    home = app_home(data_dir, tmp_path_factory, "corrupt")
     db = home / "jobs.sqlite"
     garbage = b"this is not a database" * 200
     db.write_bytes(garbage)
@@ -111,7 +89,7 @@ def test_a_corrupt_store_stops_the_start_with_one_line_naming_the_file(data_dir,
 
 
 def test_a_store_from_a_newer_version_is_refused(data_dir, tmp_path_factory):
-    home = _home(data_dir, tmp_path_factory, "newer")
+    home = app_home(data_dir, tmp_path_factory, "newer")
     db = home / "jobs.sqlite"
     with sqlite3.connect(db) as conn:
         conn.executescript(SCHEMA)

@@ -6,6 +6,7 @@ at an app that is already running instead (with its data directory in $LORA_STUD
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -85,6 +86,68 @@ def wait_until_up(proc: subprocess.Popen, url: str, log: Path, *, paths=("health
     pytest.fail(f"app.py serve did not come up in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
 
 
+class ServedApp:
+    """A running ``python app.py serve``: its process, URL (no trailing slash), data dir and log."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, home: Path, log: Path):
+        self.proc, self.port, self.home, self.log = proc, port, Path(home), log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def client(self, source: str = "127.0.0.1", **kw):
+        """An httpx client talking from ``source`` (any 127.0.0.N: a per-address throttle sees each apart)."""
+        import httpx
+
+        return httpx.Client(base_url=self.url, timeout=60, transport=httpx.HTTPTransport(local_address=source), **kw)
+
+    def stop(self) -> None:
+        """SIGTERM (the server shuts its worker down cleanly), then a kill after 60 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def app_home(data_dir: Path, tmp_path_factory, prefix: str) -> Path:
+    """A fresh data directory that shares the session's built demo models (built once)."""
+    home = tmp_path_factory.mktemp(prefix)
+    (home / "models").symlink_to(data_dir / "models", target_is_directory=True)
+    return home
+
+
+def start_app(home: Path, *flags: str, model: str = MODEL, env: dict | None = None, paths=("health",),
+              **popen) -> ServedApp:
+    """``python app.py serve MODEL --data-dir HOME --device cpu FLAGS`` on a free loopback port,
+    up when every path in ``paths`` answers 200; a server that fails to come up is stopped and the
+    test fails with its log. ``env`` adds to the environment; ``popen`` goes to ``Popen``."""
+    port = free_port()
+    log = Path(home) / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "app.py", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+                                 "--data-dir", str(home), "--device", "cpu", *flags],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "LORA_STUDIO_HOME": str(home), **(env or {})}, **popen)
+    served = ServedApp(proc, port, home, log)
+    try:
+        wait_until_up(proc, served.url + "/", log, paths=paths)
+    except BaseException:
+        served.stop()
+        raise
+    return served
+
+
+@contextlib.contextmanager
+def served_app(home: Path, *flags: str, **kw):
+    """``start_app`` for a ``with`` block (or a fixture's ``yield``): always stopped after."""
+    served = start_app(home, *flags, **kw)
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
 @pytest.fixture(scope="module")
 def app(data_dir, demo_path, tmp_path_factory):
     """``python app.py serve`` (UI + HTTP API, one port) in its own data directory, which
@@ -94,26 +157,8 @@ def app(data_dir, demo_path, tmp_path_factory):
         yield App(url, Path(os.environ["LORA_STUDIO_HOME"]))
         return
     demo_path(MODEL)
-    home = tmp_path_factory.mktemp("ui-app")
-    (home / "models").symlink_to(data_dir / "models", target_is_directory=True)
-    port = free_port()
-    log = home / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "app.py", "serve", MODEL, "--host", "127.0.0.1", "--port", str(port),
-                                 "--data-dir", str(home), "--device", "cpu"],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "LORA_STUDIO_HOME": str(home)})
-    try:
-        url = f"http://127.0.0.1:{port}/"
-        wait_until_up(proc, url, log)
-        yield App(url, home)
-    finally:
-        proc.terminate()  # SIGTERM: the server shuts its worker down cleanly
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with served_app(app_home(data_dir, tmp_path_factory, "ui-app"), paths=("health", "")) as served:
+        yield App(served.url + "/", served.home)
 
 
 @pytest.fixture(scope="module")
