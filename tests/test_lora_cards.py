@@ -68,6 +68,7 @@ def test_family_names():
     assert cards.family_of("Wan-AI/Wan2.2-T2V-A14B-Diffusers") == "Wan2.2"
     assert cards.family_of("demo:qwen-image") == "Qwen-Image"
     assert cards.family_of("sdxl_base_v1-0") == "SDXL"
+    assert cards.family_of("wan22-t2v-lightx2v-high") == "Wan2.2"
     assert cards.family_of("something else") is None and cards.family_of(None) is None
 
 

@@ -188,3 +188,6 @@ def test_lora_browser_cards_escape_and_filter():
     assert [c["name"] for c in views.filter_cards([hostile, other], family="unknown")] == ["b-older"]
     assert [c["name"] for c in views.filter_cards([hostile, other], sort="largest")] == ["b-older", hostile["name"]]
     assert [c["name"] for c in views.filter_cards([hostile, other], sort="newest")][0] == hostile["name"]
+    by_name = views.card_html({**other, "family": "Wan2.2", "family_source": "name"})
+    assert "made for Wan2.2 (by its name)" in by_name
+    assert "made for Wan2.2<" in views.card_html({**other, "family": "Wan2.2", "family_source": "metadata"})

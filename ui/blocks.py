@@ -30,7 +30,7 @@ CSS = """
             flex-direction: column; }
 .ls-lcard-off { opacity: .65; }
 .ls-thumb { width: 100%; aspect-ratio: 1; object-fit: cover; display: block; background: var(--neutral-100); }
-.ls-thumb-none { display: flex; align-items: center; justify-content: center; font-size: 3em;
+.ls-thumb-none { aspect-ratio: 3; display: flex; align-items: center; justify-content: center; font-size: 2em;
                  color: var(--neutral-400); }
 .ls-lcard-body { padding: 8px; display: flex; flex-direction: column; gap: 4px; }
 .ls-lcard h4 { margin: 0; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }

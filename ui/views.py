@@ -374,7 +374,8 @@ def card_html(c: dict) -> str:
     elif not c.get("usable"):
         made = "unusable"
     else:
-        made = f"made for {fam}" if fam else "does not fit the loaded model"
+        made = ((f"made for {fam}" + (" (by its name)" if c.get("family_source") == "name" else ""))
+                if fam else "does not fit the loaded model")
     nums = " · ".join(x for x in (f"rank {c['rank']}" if c.get("rank") not in (None, "-") else "",
                                   f"alpha {c['alpha']}" if c.get("alpha") not in (None, "-") else "",
                                   str(c.get("size") or ""), str(c.get("format") or "")) if x and x != "-")

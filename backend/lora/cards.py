@@ -26,8 +26,8 @@ _MAGIC = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",), "webp": (b
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069]")
 
 # (substring of a lower-cased model id or hint, family shown); the first match wins
-FAMILIES = (("wan2.2", "Wan2.2"), ("wan2_2", "Wan2.2"), ("wan-2.2", "Wan2.2"), ("wan2.1", "Wan2.1"),
-            ("wan2_1", "Wan2.1"), ("wan", "Wan"), ("qwen", "Qwen-Image"), ("flux", "FLUX"),
+FAMILIES = (("wan2.2", "Wan2.2"), ("wan2_2", "Wan2.2"), ("wan-2.2", "Wan2.2"), ("wan22", "Wan2.2"),
+            ("wan2.1", "Wan2.1"), ("wan2_1", "Wan2.1"), ("wan21", "Wan2.1"), ("wan", "Wan"), ("sd35", "SD3"), ("qwen", "Qwen-Image"), ("flux", "FLUX"),
             ("hunyuan", "HunyuanVideo"), ("ltx", "LTX-Video"), ("sdxl", "SDXL"), ("sd_xl", "SDXL"),
             ("stable-diffusion-xl", "SDXL"), ("sd3", "SD3"), ("stable-diffusion-3", "SD3"),
             ("sd1", "SD1.x"), ("sd-v1", "SD1.x"), ("stable-diffusion-v1", "SD1.x"), ("sd2", "SD2.x"),
