@@ -96,6 +96,15 @@ def test_cards_show_the_headers_and_search_narrows(page, library):  # noqa: F811
     assert families and all("Wan2.2" in f for f in families), families
 
 
+def test_the_open_browser_follows_the_library(page, library, lora_files):  # noqa: F811
+    open_browser(page)
+    expect(card(page, "spec-dog")).to_be_visible()
+    library.add_adapter(lora_files["other"], "arrived-later")
+    expect(card(page, "arrived-later")).to_be_visible()  # no Refresh clicked
+    (library.data_dir / "adapters" / "arrived-later.safetensors").unlink()
+    expect(card(page, "arrived-later")).to_have_count(0)
+
+
 def test_trigger_word_goes_into_the_prompt_and_a_card_into_the_stack(page, library):  # noqa: F811
     open_browser(page)
     fill(page, "prompt", "a cat on a sofa")
