@@ -581,7 +581,8 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
         except Exception:
             sig = seen.get("library")
         if sig != seen.get("library"):
-            first = "library" not in seen
+            # the first poll sends the lists too: the page's load read the library before this
+            # signature was taken, and an adapter added in between would never be offered
             seen["library"] = sig
             pick, unfit = adapter_pick_updates(studio)
             try:
@@ -594,8 +595,6 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                 gone = [e["name"] for e in stack if e["name"] not in names]
                 out["stack"] = [kept, *render_stack(kept, two_stage_of(model_id))]
                 out["note"] = error_html(f"removed from the stack (no longer in the library): {', '.join(gone)}")
-            elif first:
-                out.pop("library")  # the page's load already filled the picker
         keep = gr.update()
         return ([out.get("jobs", keep), *out.get("result", [keep] * 3), watch, seen, out.get("badge", keep),
                  out.get("preset", keep), *out.get("model", [keep, keep]),
