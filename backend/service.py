@@ -292,6 +292,38 @@ class Studio:
             row["pinned"] = row["name"] in pinned
         return rows
 
+    def adapter_cards(self) -> list[dict]:
+        """The LoRA browser's cards: one plain dict per library row, with what its safetensors header
+        says (title, trigger words, an embedded thumbnail, all bounded: backend/lora/cards.py), the
+        base-model family (the publisher's hint, else the loaded model's when the adapter fits it, else
+        one its name says: ``family_source`` is metadata, fit or name),
+        and whether it can be used here and why not. Headers only, cached by (path, mtime, size)."""
+        try:
+            from .lora import cards
+        except ImportError:  # the PEFT backend is not part of this build: no library
+            return []
+        model = self.current_model()
+        out = []
+        for row in self.adapters():
+            card = cards.header_card(row["path"]) if row.get("usable") else {**cards.card_info({}), "mtime": 0.0}
+            fits = bool(row["fit"]["ok"])
+            hint = row.get("base_model") or card["base_model"]
+            # the family: the publisher's hint, else the loaded model's when it fits, else the file's name
+            family, source = cards.family_of(hint), "metadata"
+            if family is None and fits:
+                family, source = cards.family_of(model), "fit"
+            if family is None:
+                family, source = cards.family_of(row["name"]), "name"
+            out.append({"name": row["name"], "format": row["format"], "rank": row["rank"], "alpha": row["alpha"],
+                        "size": row["size"], "size_bytes": row["size_bytes"], "mtime": card["mtime"],
+                        "usable": bool(row.get("usable")), "error": row.get("error"), "fits": fits,
+                        "fit": row["fit"]["summary"], "model": model, "family": family,
+                        "family_source": source if family else None,
+                        "base_model": cards.clean_text(hint or ""), "title": card["title"],
+                        "triggers": card["triggers"], "thumbnail": card["thumbnail"],
+                        "thumbnail_note": card["thumbnail_note"], "pinned": row.get("pinned", False)})
+        return out
+
     def adapter_detail(self, name: str) -> dict:
         for row in self.adapters():
             if row["name"] == name:

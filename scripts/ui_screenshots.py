@@ -7,7 +7,10 @@ in its library, then::
     python scripts/ui_screenshots.py http://127.0.0.1:7861/ [docs/img]
 
 It stacks the first two adapters that fit, queues a batch of three jobs and shoots the
-Generate tab while the first result is shown and the others run or wait (docs/img/generate.png).
+Generate tab while the first result is shown and the others run or wait (docs/img/generate.png),
+then opens the LoRA browser and shoots its cards (docs/img/lora-browser.png; adapters with
+``modelspec.thumbnail`` / ``modelspec.trigger_phrase`` / kohya ``ss_tag_frequency`` metadata make
+the cards worth looking at).
 """
 from __future__ import annotations
 
@@ -55,9 +58,19 @@ def main(url: str, out_dir: Path) -> int:
         time.sleep(1.0)
         page.screenshot(path=str(out_dir / "generate.png"), full_page=True)
         page.locator("#cancel-btn").click()
+        lora_browser(page, out_dir / "lora-browser.png")
         browser.close()
     print(out_dir / "generate.png")
+    print(out_dir / "lora-browser.png")
     return 0
+
+
+def lora_browser(page, out: Path) -> None:
+    """The LoRA browser's cards, the panel alone (search, filters, cards)."""
+    page.get_by_text("LoRA browser", exact=True).click()
+    page.wait_for_selector("#lora-cards .ls-lcard")
+    time.sleep(1.0)
+    page.locator("#lora-browser").screenshot(path=str(out))
 
 
 if __name__ == "__main__":

@@ -167,3 +167,27 @@ def test_grid_labels_cancelled_cells_apart_from_failed_ones():
     cancelled = np.asarray(compose([[img, "cancelled"]], ["a", "b"], ["r"], "x", "y"))
     failed = np.asarray(compose([[img, "failed"]], ["a", "b"], ["r"], "x", "y"))
     assert cancelled.shape == failed.shape and not np.array_equal(cancelled, failed)
+
+
+def test_lora_browser_cards_escape_and_filter():
+    from ui import views
+
+    hostile = {"name": 'x"><script>alert(1)</script>', "format": "diffusers", "rank": "4", "alpha": "4",
+               "size": "1 KiB", "size_bytes": 10, "mtime": 1.0, "usable": True, "error": None, "fits": True,
+               "fit": "ok", "model": "demo:qwen-image", "family": "Qwen-Image", "title": "<b>t</b>",
+               "triggers": ['"><img src=x onerror=alert(1)>'], "thumbnail": None, "thumbnail_note": None}
+    other = {**hostile, "name": "b-older", "family": None, "fits": False, "mtime": 0.5, "size_bytes": 99,
+             "triggers": ["dog"], "title": "", "fit": "refused: no module matches"}
+    page = views.cards_html([hostile, other])
+    assert "<script>" not in page and "<img src=x" not in page and "<b>" not in page
+    assert page.count('class="ls-add"') == 1  # only a card that fits can be added
+    assert "made for" not in page and "does not fit the loaded model" in page
+    assert views.browser_families([hostile, other]) == [views.ALL_FAMILIES, "Qwen-Image", "unknown"]
+    assert [c["name"] for c in views.filter_cards([hostile, other], "DOG")] == ["b-older"]
+    assert [c["name"] for c in views.filter_cards([hostile, other], fits_only=True)] == [hostile["name"]]
+    assert [c["name"] for c in views.filter_cards([hostile, other], family="unknown")] == ["b-older"]
+    assert [c["name"] for c in views.filter_cards([hostile, other], sort="largest")] == ["b-older", hostile["name"]]
+    assert [c["name"] for c in views.filter_cards([hostile, other], sort="newest")][0] == hostile["name"]
+    by_name = views.card_html({**other, "family": "Wan2.2", "family_source": "name"})
+    assert "made for Wan2.2 (by its name)" in by_name
+    assert "made for Wan2.2<" in views.card_html({**other, "family": "Wan2.2", "family_source": "metadata"})

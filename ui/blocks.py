@@ -8,7 +8,7 @@ import gradio as gr
 
 from backend import settings
 
-from . import adapters, api, compare, gallery, generate, presets, queue_tab, system
+from . import adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, system
 
 CSS = """
 .ls-bar { height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; margin-top: 4px; }
@@ -25,6 +25,22 @@ CSS = """
 .ls-missing { color: var(--error-text-color, #b91c1c); }
 .ls-present { color: var(--color-green-600, #16a34a); }
 #result-image img, #cmp-grid img { image-rendering: pixelated; min-width: 256px; object-fit: contain; }
+.ls-lcards { display: grid; grid-template-columns: repeat(auto-fill, minmax(220px, 1fr)); gap: 10px; }
+.ls-lcard { border: 1px solid var(--border-color-primary); border-radius: 8px; overflow: hidden; display: flex;
+            flex-direction: column; }
+.ls-lcard-off { opacity: .65; }
+.ls-thumb { width: 100%; aspect-ratio: 1; object-fit: cover; display: block; background: var(--neutral-100); }
+.ls-thumb-none { aspect-ratio: 3; display: flex; align-items: center; justify-content: center; font-size: 2em;
+                 color: var(--neutral-400); }
+.ls-lcard-body { padding: 8px; display: flex; flex-direction: column; gap: 4px; }
+.ls-lcard h4 { margin: 0; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+.ls-family { font-weight: 600; font-size: .85em; }
+.ls-nums, .ls-lcard-title, .ls-browser-count { font-size: .8em; opacity: .8; }
+.ls-reason { font-size: .8em; color: var(--error-text-color, #b91c1c); overflow-wrap: anywhere; }
+.ls-triggers { display: flex; flex-wrap: wrap; gap: 4px; }
+.ls-trigger { border: 1px solid var(--border-color-primary); border-radius: 10px; padding: 0 8px;
+              font-size: .8em; cursor: pointer; background: var(--background-fill-secondary); }
+.ls-add { border-radius: 6px; padding: 2px 8px; cursor: pointer; background: var(--color-accent); color: white; }
 .ls-badge { background: var(--color-accent); color: white; border-radius: 4px; padding: 0 6px; font-size: .8em; }
 """
 
@@ -76,6 +92,7 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
         with gr.Tabs() as tabs:
             with gr.Tab("Generate", id="generate", elem_id="tab-generate"):
                 gen = generate.build(studio)
+                lora_browser.build(studio, gen)
             with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
                 compare.build(studio, gen)
             with gr.Tab("Adapters", id="adapters", elem_id="tab-adapters") as t_adapters:
@@ -111,6 +128,7 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
 
         blocks.load(on_load, None, [*gen.model_outputs, gen.pick, gen.unfit, gen.preset, gen.badge],
                     api_visibility="private", js=PAGE_JS)
+        blocks.load(None, None, None, api_visibility="private", js=lora_browser.PAGE_JS)
     # Follow-events only poll the Studio's queue (which serializes the work), so they need no
     # Gradio-side limit; that is what lets the UI show the real queue position.
     blocks.queue(default_concurrency_limit=None, max_size=None)

@@ -150,6 +150,7 @@ class GenerateTab:
     watch: gr.State = None
     seen: gr.State = None
     timer: gr.Timer = None
+    add_adapter: object = None  # (name, stack, model_id) -> [stack, *row updates, note]: the stack's Add
     job_id: gr.Textbox = None
     image: gr.Image = None
     video: gr.Video = None
@@ -376,6 +377,7 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
         stack = stack + [{"name": name, "scale": 1.0, "split": False, "high": 1.0, "low": 1.0}]
         return [stack, *render_stack(stack, two_stage_of(model_id)), ""]
 
+    t.add_adapter = add_adapter
     add.click(add_adapter, [t.pick, t.stack, t.model], [t.stack, *t.row_outputs(), t.status],
               api_visibility="private", queue=False)
 

@@ -315,3 +315,92 @@ def settings_from_metadata(meta: dict) -> dict:
 
 def pretty(obj) -> str:
     return json.dumps(obj, indent=2, default=str)
+
+
+# -- the LoRA browser -------------------------------------------------------------------------
+ALL_FAMILIES = "all families"
+BROWSER_SORTS = ("name", "newest", "largest")
+
+
+def browser_families(cards: list[dict]) -> list[str]:
+    """The family filter's choices: every family the cards name, then "unknown" if any has none."""
+    fams = sorted({c["family"] for c in cards if c.get("family")})
+    return [ALL_FAMILIES, *fams, *(["unknown"] if any(not c.get("family") for c in cards) else [])]
+
+
+def filter_cards(cards: list[dict], query: str = "", family: str = ALL_FAMILIES, fits_only: bool = False,
+                 sort: str = "name") -> list[dict]:
+    """Cards whose name, title or a trigger word contains every word of ``query`` (any case), of
+    ``family``, fitting the loaded model if ``fits_only``; sorted by name, newest or largest first."""
+    words = str(query or "").lower().split()
+    out = []
+    for c in cards:
+        text = " ".join([c["name"], c.get("title") or "", *c.get("triggers", [])]).lower()
+        if any(w not in text for w in words):
+            continue
+        if family not in (None, "", ALL_FAMILIES) and (c.get("family") or "unknown") != family:
+            continue
+        if fits_only and not c.get("fits"):
+            continue
+        out.append(c)
+    if sort == "newest":
+        out.sort(key=lambda c: (-(c.get("mtime") or 0), c["name"].lower()))
+    elif sort == "largest":
+        out.sort(key=lambda c: (-(c.get("size_bytes") or 0), c["name"].lower()))
+    else:
+        out.sort(key=lambda c: c["name"].lower())
+    return out
+
+
+def _attr(text) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def card_html(c: dict) -> str:
+    """One card: preview (the embedded thumbnail or a placeholder), name, family/fit, numbers,
+    clickable trigger words, an Add button (only when it fits), and the reason when it cannot be used.
+    Everything from the file is escaped; the thumbnail is a data URL the backend checked."""
+    name = c["name"]
+    shown = _short(name, 60)
+    if c.get("thumbnail"):
+        preview = f'<img class="ls-thumb" src="{_attr(c["thumbnail"])}" alt="preview of {_attr(shown)}">'
+    else:
+        preview = (f'<div class="ls-thumb ls-thumb-none" title="{_attr(c.get("thumbnail_note") or "no preview in the file")}">'
+                   f'{html.escape(name[:1].upper() or "?")}</div>')
+    model = c.get("model") or ""
+    fam = c.get("family")
+    if c.get("fits"):
+        made = f"fits {model}" + (f" ({fam})" if fam else "")
+    elif not c.get("usable"):
+        made = "unusable"
+    else:
+        made = ((f"made for {fam}" + (" (by its name)" if c.get("family_source") == "name" else ""))
+                if fam else "does not fit the loaded model")
+    nums = " · ".join(x for x in (f"rank {c['rank']}" if c.get("rank") not in (None, "-") else "",
+                                  f"alpha {c['alpha']}" if c.get("alpha") not in (None, "-") else "",
+                                  str(c.get("size") or ""), str(c.get("format") or "")) if x and x != "-")
+    triggers = "".join(f'<button type="button" class="ls-trigger" data-trigger="{_attr(t)}" '
+                       f'title="insert into the prompt">{html.escape(t)}</button>' for t in c.get("triggers") or [])
+    reason = c.get("error") or ("" if c.get("fits") else c.get("fit") or "")
+    if c.get("fits"):
+        action = f'<button type="button" class="ls-add" data-name="{_attr(name)}">Add to stack</button>'
+    else:
+        action = ""
+    cls = "ls-lcard" + ("" if c.get("fits") else " ls-lcard-off")
+    title = c.get("title") or ""
+    return (f'<div class="{cls}" data-name="{_attr(name)}">{preview}<div class="ls-lcard-body">'
+            f'<h4 title="{_attr(name)}">{html.escape(shown)}</h4>'
+            + (f'<div class="ls-lcard-title">{html.escape(title)}</div>' if title and title != name else "")
+            + f'<div class="ls-family">{html.escape(made)}</div><div class="ls-nums">{html.escape(nums)}</div>'
+            + (f'<div class="ls-triggers">{triggers}</div>' if triggers else "")
+            + (f'<div class="ls-reason" title="{_attr(reason)}">{html.escape(_short(reason, 160))}</div>'
+               if reason else "")
+            + f'{action}</div></div>')
+
+
+def cards_html(cards: list[dict], total: int | None = None) -> str:
+    total = len(cards) if total is None else total
+    if not cards:
+        return ok_html(f"no adapter matches ({total} in the library)")
+    head = f'<div class="ls-browser-count">{len(cards)} of {total} adapter(s)</div>'
+    return head + '<div class="ls-lcards">' + "".join(card_html(c) for c in cards) + "</div>"

@@ -1,0 +1,105 @@
+"""The LoRA browser (in the Generate tab, as A1111's and Forge's LoRA cards are): a card per adapter
+in the library with its preview, trigger words, base-model family, rank/alpha/size and whether it
+fits the loaded model; search, filter by family and fit, sort by name, date or size.
+
+While the panel is open it follows the library (an import, a deletion, a model switch redraw
+the cards within ``POLL_S``). Clicking a trigger word inserts it into the prompt (in the page, no server round trip); a card's
+"Add to stack" puts the adapter into the Generate tab's stack through the same handler as the
+stack's own Add button. The cards come from ``Studio.adapter_cards()`` (headers only, cached);
+``views.card_html`` escapes everything a file says.
+"""
+from __future__ import annotations
+
+import gradio as gr
+
+from . import views
+from .views import error_html, ok_html, readable
+
+POLL_S = 2.0  # how often an open browser asks whether the library changed (a cheap signature)
+
+# Delegated clicks on the cards (the HTML is re-rendered, so listeners live on the document):
+# a trigger word is appended to the prompt, ", " separated; "Add to stack" posts the adapter's
+# name (with a nonce, so adding the same name again is a change) to a hidden textbox.
+PAGE_JS = """
+() => {
+  const setText = (el, value) => {
+    el.value = value;
+    el.dispatchEvent(new Event("input", {bubbles: true}));
+  };
+  document.addEventListener("click", (e) => {
+    const trig = e.target.closest && e.target.closest("#lora-browser .ls-trigger");
+    if (trig) {
+      const box = document.querySelector("#prompt textarea");
+      if (!box) return;
+      const word = trig.getAttribute("data-trigger") || "";
+      const cur = box.value.replace(/[\\s,]+$/, "");
+      setText(box, cur ? `${cur}, ${word}` : word);
+      return;
+    }
+    const add = e.target.closest && e.target.closest("#lora-browser .ls-add");
+    if (add) {
+      const box = document.querySelector("#lora-browser-action textarea, #lora-browser-action input");
+      if (box) setText(box, `${add.getAttribute("data-name") || ""}\\n${Date.now()}`);
+    }
+  });
+}
+"""
+
+
+def build(studio, gen) -> None:
+    with gr.Accordion("LoRA browser", open=False, elem_id="lora-browser") as panel:
+        with gr.Row():
+            query = gr.Textbox(label="Search", placeholder="name or trigger word", scale=3, elem_id="lora-search")
+            family = gr.Dropdown(label="Family", choices=[views.ALL_FAMILIES], value=views.ALL_FAMILIES, scale=2,
+                                 elem_id="lora-family")
+            fits = gr.Checkbox(label="fits the loaded model", value=False, scale=1, elem_id="lora-fits")
+            sort = gr.Dropdown(label="Sort", choices=list(views.BROWSER_SORTS), value="name", scale=1,
+                               elem_id="lora-sort")
+            refresh = gr.Button("Refresh", scale=0, min_width=80, elem_id="lora-refresh")
+        cards = gr.HTML(elem_id="lora-cards")
+        action = gr.Textbox(visible="hidden", elem_id="lora-browser-action")
+        # while the panel is open the cards follow the library (imports, deletions, a model switch)
+        timer = gr.Timer(POLL_S, active=False)
+        seen = gr.State(None)  # the library signature the cards were drawn from
+
+    def show(q, fam, only_fit, order):
+        try:
+            sig = studio.library_signature()
+            all_cards = studio.adapter_cards()
+        except Exception as exc:
+            return gr.update(), error_html(readable(exc)), None
+        fams = views.browser_families(all_cards)
+        fam = fam if fam in fams else views.ALL_FAMILIES
+        shown = views.filter_cards(all_cards, q, fam, bool(only_fit), order)
+        return gr.update(choices=fams, value=fam), views.cards_html(shown, len(all_cards)), sig
+
+    def tick(sig, q, fam, only_fit, order):
+        try:
+            if studio.library_signature() == sig:
+                return gr.update(), gr.update(), sig
+        except Exception:
+            return gr.update(), gr.update(), sig
+        return show(q, fam, only_fit, order)
+
+    inputs, outputs = [query, family, fits, sort], [family, cards, seen]
+    panel.expand(show, inputs, outputs, api_visibility="private")
+    panel.expand(lambda: gr.Timer(active=True), None, timer, api_visibility="private", queue=False)
+    panel.collapse(lambda: gr.Timer(active=False), None, timer, api_visibility="private", queue=False)
+    timer.tick(tick, [seen, *inputs], outputs, api_visibility="private", show_progress="hidden",
+               trigger_mode="always_last")
+    refresh.click(show, inputs, outputs, api_visibility="private")
+    for comp in (family, fits, sort):
+        comp.input(show, inputs, outputs, api_visibility="private")
+    query.change(show, inputs, outputs, api_visibility="private", trigger_mode="always_last")
+
+    def add(value, stack, model_id):
+        name = str(value or "").split("\n", 1)[0]
+        if not name:
+            return [gr.update()] * (2 + len(gen.row_outputs()))
+        out = gen.add_adapter(name, stack, model_id)
+        if not out[-1]:
+            out[-1] = ok_html(f"added {name} to the LoRA stack")
+        return out
+
+    action.change(add, [action, gen.stack, gen.model], [gen.stack, *gen.row_outputs(), gen.status],
+                  api_visibility="private", queue=False)
