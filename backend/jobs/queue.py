@@ -295,14 +295,8 @@ class JobQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while True:
-                job = self.get(job_id)
-                if job["status"] in FINISHED:
-                    return job
-                if self._interrupted:
-                    raise ShuttingDown(f"the server is shutting down; job {job_id} is kept in the queue and runs "
-                                       "when the server starts again", param="job_id")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                job, left = self._settled(self.get(job_id), deadline)
+                if job is not None:
                     return job
                 self._changed.wait(timeout=0.5 if left is None else min(left, 0.5))
 
@@ -319,14 +313,8 @@ class JobQueue:
         try:
             while True:
                 entry[1].clear()
-                job = await run_in_threadpool(self.get, job_id)
-                if job["status"] in FINISHED:
-                    return job
-                if self._interrupted:
-                    raise ShuttingDown(f"the server is shutting down; job {job_id} is kept in the queue and runs "
-                                       "when the server starts again", param="job_id")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                job, left = self._settled(await run_in_threadpool(self.get, job_id), deadline)
+                if job is not None:
                     return job
                 try:  # woken when the job ends; the timeout only re-checks (e.g. a row changed elsewhere)
                     await asyncio.wait_for(entry[1].wait(), 5.0 if left is None else min(left, 5.0))
@@ -341,6 +329,17 @@ class JobQueue:
                         del self._async_waiters[job_id]
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _settled(self, job: dict, deadline: float | None) -> tuple[dict | None, float | None]:
+        """One step of a wait: (the job, None) when it is finished or the deadline has passed,
+        else (None, seconds left or None); ShuttingDown once ``interrupt()`` was called."""
+        if job["status"] in FINISHED:
+            return job, None
+        if self._interrupted:
+            raise ShuttingDown(f"the server is shutting down; job {job['id']} is kept in the queue and runs "
+                               "when the server starts again", param="job_id")
+        left = None if deadline is None else deadline - time.monotonic()
+        return (job, None) if left is not None and left <= 0 else (None, left)
+
     @staticmethod
     def _row(db, job_id: str):
         row = db.execute("SELECT * FROM jobs WHERE id=?", (str(job_id),)).fetchone()
