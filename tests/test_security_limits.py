@@ -303,6 +303,8 @@ def test_slow_clients_are_cut_off(strict):
                     break
             except socket.timeout:
                 continue
+            except ConnectionResetError:  # closed with our unread headers in its buffer: an RST, not a FIN
+                break
         closed_after = time.monotonic() - t0
     assert closed_after < 10, closed_after
     # a body that never arrives: 408
