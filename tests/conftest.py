@@ -45,3 +45,11 @@ def manager_for(data_dir):
         return cache[model_id]
 
     return _get
+
+
+@pytest.fixture(scope="session")
+def library(data_dir):
+    """The demo adapter library (<data-dir>/adapters/demo), written once per session."""
+    from backend.lora import demo_adapters
+
+    return demo_adapters.ensure(data_dir)

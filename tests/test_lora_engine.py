@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from backend import demo
 from backend.errors import AdapterError, AdapterNotFound, InvalidParameter
-from backend.lora import attach, demo_adapters, formats
+from backend.lora import attach, formats
 from backend.lora.engine import LoRAEngine
 from backend.lora.request import LoRARequest
 from backend.manager import PipelineManager
@@ -21,10 +21,6 @@ from backend.weights import module_checksum
 torch.set_num_threads(1)
 STEPS = 2
 
-
-@pytest.fixture(scope="module")
-def library(data_dir):
-    return demo_adapters.ensure(data_dir)
 
 
 @pytest.fixture(scope="module")

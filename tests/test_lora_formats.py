@@ -16,10 +16,6 @@ from backend.lora import demo_adapters, formats
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def library(data_dir):
-    return demo_adapters.ensure(data_dir)
-
 
 EXPECTED = {  # relpath -> (format, ranks, alpha)
     "sd3.5/sd35-cheesecake-peft": ("peft", (4,), 8.0),

@@ -12,10 +12,6 @@ from backend.lora.library import format_rows, scan
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def library(data_dir):
-    return demo_adapters.ensure(data_dir)
-
 
 def test_listing_shows_fit_for_the_model(library, data_dir, tmp_path):
     extra = tmp_path / "more"

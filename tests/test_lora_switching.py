@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import save_file
 
 from backend import LoRARequest, Omni
-from backend.lora import demo_adapters
 from backend.lora.engine import LoRAEngine
 from backend.weights import module_checksum
 
@@ -25,10 +24,6 @@ NEON = "qwen-image/qwen-image-neon-peft"
 FAST = {"prompt": "a lighthouse", "height": 64, "width": 64, "num_inference_steps": 2, "true_cfg_scale": 1.0,
         "seed": 5}
 
-
-@pytest.fixture(scope="module")
-def library(data_dir):
-    return demo_adapters.ensure(data_dir)
 
 
 def _sums(omni) -> dict:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backend.errors import AdapterError, InvalidParameter
-from backend.lora import attach, demo_adapters
+from backend.lora import attach
 from backend.lora.policy import PolicyInputs, check_mode, decide, merge_cost, unfused_cost
 from backend.lora.request import LoRARequest
 from backend.manager import PipelineManager
@@ -53,10 +53,6 @@ def test_policy_formula_on_numbers():
 
 
 # -- the unfused mode on the demo pipelines --------------------------------------------------------------
-@pytest.fixture(scope="module")
-def library(data_dir):
-    return demo_adapters.ensure(data_dir)
-
 
 @pytest.fixture(scope="module")
 def managers(data_dir):

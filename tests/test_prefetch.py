@@ -7,16 +7,12 @@ import pytest
 import torch
 
 from backend.jobs.prefetch import prefetch
-from backend.lora import attach, demo_adapters
+from backend.lora import attach
 from backend.lora.request import LoRARequest
 from backend.manager import PipelineManager
 
 torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module")
-def library(data_dir):
-    return demo_adapters.ensure(data_dir)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ui_fixtures import app_home, served_app
+from ui_fixtures import app_home, served_app, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo:qwen-image"
@@ -41,14 +41,6 @@ def _jobs(url) -> list[dict]:
     return r.json()["data"]
 
 
-def _until(pred, timeout=120.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def _running(url, prompt: str) -> dict:
@@ -56,7 +48,7 @@ def _running(url, prompt: str) -> dict:
         for j in _jobs(url):
             if j["params"].get("prompt") == prompt and j["status"] == "running" and j["progress"]["step"] >= 1:
                 return j
-    return _until(started, 180, f"job {prompt!r} to run a step")
+    return wait_until(started, 180, f"job {prompt!r} to run a step")
 
 
 def _gradio_call(url, api: str, data: list) -> str:
@@ -109,7 +101,7 @@ def test_waiting_requests_hold_no_thread_and_the_queue_bound_answers_429(server)
         for t in waiters:
             t.start()
         events = [_gradio_call(url, "generate", _generate_inputs(f"ui wait {i}")) for i in range(30)]
-        _until(lambda: sum(j["status"] == "queued" for j in _jobs(url)) >= 90, 120, "90 queued jobs")
+        wait_until(lambda: sum(j["status"] == "queued" for j in _jobs(url)) >= 90, 120, "90 queued jobs")
 
         latencies = []
         for _ in range(5):
@@ -137,7 +129,7 @@ def test_waiting_requests_hold_no_thread_and_the_queue_bound_answers_429(server)
         extra = [threading.Thread(target=one_more) for _ in range(50)]
         for t in extra:
             t.start()
-        _until(lambda: more.count(429) >= 10, 30, "429 answers past --max-queue")
+        wait_until(lambda: more.count(429) >= 10, 30, "429 answers past --max-queue")
     finally:
         # the queued ones first (cancelling the long job first would let the worker start one)
         t0 = time.monotonic()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import httpx
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from backend.api import create_app
 from backend.api.server import ThreadedServer
 from backend.service import Studio
+from ui_fixtures import wait_until
 
 SHORT = {"prompt": "x", "height": 64, "width": 64, "num_inference_steps": 2, "true_cfg_scale": 1.0, "seed": 1}
 # long enough that no fault test sees it finish on a fast machine (they cancel or kill it early)
@@ -37,13 +37,7 @@ def server(data_dir, db):
 
 
 def _until(pred, timeout=120.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(pred, timeout, what, every=0.05)
 
 
 def _running_at_step(studio, job_id, step=2):

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ui_fixtures import ARTIFACTS, MODEL, app, lora_files  # noqa: F401  (fixtures)
+from ui_fixtures import ARTIFACTS, MODEL, app, lora_files, wait_until  # noqa: F401  (fixtures)
 
 import playwright.sync_api as playwright  # noqa: E402
 expect = playwright.expect
@@ -66,13 +66,7 @@ def jobs_shown(page) -> list[dict]:
 
 
 def wait_for(what, check, timeout: float = TIMEOUT_MS / 1000, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+    return wait_until(check, timeout, what, every)
 
 
 def job(app, job_id):  # noqa: F811

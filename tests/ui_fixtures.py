@@ -68,6 +68,17 @@ class App:
         return httpx.get(self.url + route.lstrip("/"), timeout=30).json()
 
 
+def wait_until(pred, timeout: float = 120.0, what: str = "condition", every: float = 0.2):
+    """Poll ``pred`` until it returns something truthy (returned); fail the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
 def wait_until_up(proc: subprocess.Popen, url: str, log: Path, *, paths=("health", ""),
                   timeout: float = 600) -> None:
     """Until every path under ``url`` answers 200; a server that exits first fails the test with its log."""
