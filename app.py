@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from backend.families import DEFAULT_MODEL, task_types  # plain data: no torch imported here
+
 COMMANDS = ("serve", "generate", "adapters", "presets", "ray-up")
-DEFAULT_MODEL = "demo:qwen-image"  # backend.demo.DEFAULT_MODEL, without importing torch here
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--boundary-ratio", type=float, help="Wan2.2: steps with t >= ratio x 1000 run on the "
                      f"high-noise transformer (default: {unset})")
     gen.add_argument("--true-cfg-scale", type=float, help=f"Qwen-Image: true CFG (default: {unset})")
-    gen.add_argument("--task-type", choices=("t2va", "fl2va", "ref2va"),
+    gen.add_argument("--task-type", choices=task_types(),
                      help="MiniMax-H3 workflow: text, first/last frame, or references to video+audio")
     gen.add_argument("--last-image", help="MiniMax-H3 fl2va: the frame the video ends on (--image: starts on)")
     gen.add_argument("--reference", action="append", metavar="PATH",

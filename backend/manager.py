@@ -19,8 +19,8 @@ import torch
 from . import params as param_rules
 from .errors import Cancelled, CorruptModel, InvalidParameter, StudioError, UnsupportedModel
 from .minimax import offload as offload_policy
-from .models import resolve_model, spec_for
-from .models.registry import PipelineSpec
+from .families import Family, PipelineSpec
+from .models import resolve_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -83,6 +83,7 @@ class PipelineManager:
         self.model_path = None
         self.pipeline = None
         self.spec: PipelineSpec | None = None
+        self.family: Family | None = None  # backend/families: denoisers, output, routing, demo models
         self.defaults: dict = {}
         # Set by the PEFT backend: activates the adapters a request names.
         self.lora_engine = None
@@ -96,7 +97,8 @@ class PipelineManager:
     def load(self, model_id: str) -> None:
         with self._lock:
             resolved = resolve_model(model_id, self.data_dir)
-            spec = spec_for(resolved.class_name)
+            family = resolved.family
+            spec = family.spec(resolved.class_name)
             offload_policy.check_model(self.offload, spec.class_name)
             minimax = None
             if spec.class_name == "MiniMaxH3ModularPipeline":  # modular: its own loading and run
@@ -107,7 +109,7 @@ class PipelineManager:
             else:
                 pipeline = self._from_pretrained(resolved)
             self.unload()
-            self.pipeline, self.spec, self.minimax = pipeline, spec, minimax
+            self.pipeline, self.spec, self.family, self.minimax = pipeline, spec, family, minimax
             self.model_id, self.model_path = model_id, resolved.path
             self.defaults = dict(resolved.defaults)
 
@@ -133,7 +135,7 @@ class PipelineManager:
                 return
             self.pipeline = None
             self.lora_engine = self.fused_base = self.minimax = None
-            self.model_id = self.model_path = self.spec = None
+            self.model_id = self.model_path = self.spec = self.family = None
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -141,7 +143,7 @@ class PipelineManager:
     def denoisers(self) -> dict[str, torch.nn.Module]:
         """The loaded pipeline's denoising modules, by component name."""
         self._require_loaded()
-        return {name: getattr(self.pipeline, name) for name in self.spec.denoisers
+        return {name: getattr(self.pipeline, name) for name in self.family.denoisers
                 if getattr(self.pipeline, name, None) is not None}
 
     # -- generation ------------------------------------------------------------------------

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from . import families
 from .errors import InvalidParameter
-from .models.registry import PipelineSpec
+from .families import PipelineSpec
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,11 @@ class Field:
 
 def _positive(v) -> bool:
     return v > 0
+
+
+def _one_of(choices) -> str:
+    quoted = [repr(c) for c in choices]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 FIELDS: dict[str, Field] = {
@@ -44,7 +50,7 @@ FIELDS: dict[str, Field] = {
     # an input image: a PIL image, or a path to one
     "image": Field(object, None, "an image"),
     # MiniMax-H3
-    "task_type": Field(str, lambda v: v in ("t2va", "fl2va", "ref2va"), "'t2va', 'fl2va' or 'ref2va'"),
+    "task_type": Field(str, lambda v: v in families.task_types(), _one_of(families.task_types())),
     "audio_flow_shift": Field(float, lambda v: 0 < v <= 100, "a number in (0, 100]"),
     "last_image": Field(object, None, "an image"),
     "references": Field(object, None, "a list of images"),

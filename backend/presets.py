@@ -97,12 +97,12 @@ def load_preset(path: Path) -> Preset:
     if data["id"] != path.stem:
         raise PresetError(f"{where}: key 'id' is {data['id']!r} but must match the file name {path.stem!r}",
                           param="id")
-    from .models.registry import SPECS
+    from . import families
 
-    spec = SPECS.get(data["pipeline"])
-    if spec is None:
+    if data["pipeline"] not in families.FAMILIES:
         raise PresetError(f"{where}: key 'pipeline' {data['pipeline']!r} is not a supported pipeline "
-                          f"({', '.join(sorted(SPECS))})", param="pipeline")
+                          f"({', '.join(families.supported())})", param="pipeline")
+    spec = families.spec_for(data["pipeline"])
     models = data["models"]
     if not models or not all(isinstance(m, str) and m for m in models):
         raise PresetError(f"{where}: key 'models' must be a non-empty list of model ids", param="models")

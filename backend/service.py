@@ -23,7 +23,7 @@ from .jobs.worker import WorkerConfig
 from .limits import Limits, check_request, check_text
 from .minimax import offload as offload_policy
 
-DEFAULT_MODEL = "demo:qwen-image"
+from .families import DEFAULT_MODEL
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 LORA_BACKENDS = ("peft", "distill")
 ENGINES = ("local", "ray")
@@ -528,16 +528,12 @@ def _static_spec(model_id: str, data_dir) -> dict | None:
         return None  # not built yet: the worker builds it when someone switches to it
     with _SPECS_LOCK:
         if model_id not in _SPECS:
-            from .models import resolve_model, spec_for
+            from .models import resolve_model
 
             try:
-                resolved = resolve_model(model_id, data_dir)
-                spec = spec_for(resolved.class_name)
+                _SPECS[model_id] = resolve_model(model_id, data_dir).spec_info()
             except StudioError:
                 return None
-            _SPECS[model_id] = {"pipeline": spec.class_name, "output": spec.output, "mode": spec.mode,
-                                "fields": sorted(spec.fields), "denoisers": list(spec.denoisers),
-                                "defaults": {**spec.defaults, **resolved.defaults}}
         return _SPECS[model_id]
 
 

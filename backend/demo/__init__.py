@@ -21,6 +21,7 @@ from filelock import FileLock
 
 from .. import settings
 from ..errors import ModelNotFound
+from ..families import DEFAULT_MODEL  # noqa: F401 - defined once there; importers of backend.demo keep it
 
 # Bump when a builder changes, so stale materializations are rebuilt.
 BUILD_VERSION = 1
@@ -58,8 +59,6 @@ DEMO_MODELS: dict[str, DemoModel] = {m.id: m for m in [
     # revision 1: denoisers and video VAE drawn signal-preserving (the denoiser drives the frames)
     DemoModel("demo:minimax-h3", "minimax:repository", "MiniMaxAI/MiniMax-H3", "minimax:DEFAULTS", revision=1),
 ]}
-
-DEFAULT_MODEL = "demo:qwen-image"
 
 
 def is_demo(model_id: str) -> bool:

@@ -5,6 +5,6 @@ pipelines it fuses into and routes files to denoisers; ``demo_files`` writes see
 stand-ins in the publishers' key layouts; ``bench`` measures fuse/restore vs reload.
 """
 from .lifecycle import FusedBase, FusedFile, FusedState
-from .support import SUPPORTED, plan, support_for
+from .support import plan, support_for
 
-__all__ = ["FusedBase", "FusedFile", "FusedState", "SUPPORTED", "plan", "support_for"]
+__all__ = ["FusedBase", "FusedFile", "FusedState", "plan", "support_for"]

@@ -1,6 +1,7 @@
 """Which pipelines the distill backend fuses into, and which file goes into which denoiser.
 
-One table (``SUPPORTED``) and one routing rule (``plan``): Wan2.2 has two denoisers,
+The facts are the families' (``backend/families``: which pipelines fuse, the keywords per
+component, the Wan2.2 noise roles); this module holds the routing rule (``plan``): Wan2.2 has two denoisers,
 ``transformer`` for the high-noise steps and ``transformer_2`` for the low-noise ones,
 and its files are given in that order (as vLLM-Omni and lightx2v do).
 """
@@ -22,30 +23,32 @@ class DistillSupport:
     load_kwargs: dict = field(default_factory=lambda: {"low_cpu_mem_usage": False})
 
 
-_WAN = {"transformer": {}, "transformer_2": {"load_into_transformer_2": True}}
-
-SUPPORTED: dict[str, DistillSupport] = {s.class_name: s for s in [
-    DistillSupport("QwenImagePipeline", {"transformer": {}}),
-    DistillSupport("WanPipeline", _WAN),  # Wan2.1 (one transformer) and Wan2.2 (two)
-    DistillSupport("WanImageToVideoPipeline", _WAN),
-]}
-
-# Name markers lightx2v (and everyone copying its names) put in Wan2.2 pair files.
-NOISE_ROLE = {"transformer": "high_noise", "transformer_2": "low_noise"}
-
-
-def register(support: DistillSupport) -> None:
-    """Add a pipeline family defined elsewhere (MiniMax-H3 has its own issue)."""
-    SUPPORTED[support.class_name] = support
-
-
 def support_for(class_name: str) -> DistillSupport:
-    try:
-        return SUPPORTED[class_name]
-    except KeyError:
+    """The distill facts of a pipeline class, read from its families (``backend/families``:
+    ``LoraRouting.distill``); the most specific family's keywords win."""
+    from .. import families
+
+    found = [f for f in families.candidates(class_name) if f.distills(class_name)] \
+        if class_name in families.FAMILIES else []
+    if not found:
+        names = sorted(c for c in families.FAMILIES if any(f.distills(c) for f in families.candidates(c)))
         raise UnsupportedModel(
             f"the distill backend does not support {class_name}; supported pipelines: "
-            f"{', '.join(sorted(SUPPORTED))}", param="lora_backend") from None
+            f"{', '.join(names)}", param="lora_backend")
+    kwargs: dict = {}
+    for family in reversed(found):
+        kwargs.update(family.lora.distill)
+    return DistillSupport(class_name, kwargs)
+
+
+def noise_roles(class_name: str) -> dict[str, str]:
+    """Wan2.2: the name marker (``high_noise`` / ``low_noise``) a file for each denoiser carries."""
+    from .. import families
+
+    roles: dict[str, str] = {}
+    for family in families.candidates(class_name):
+        roles = {**family.lora.noise_roles, **roles}
+    return roles
 
 
 @dataclass(frozen=True)
@@ -64,12 +67,13 @@ def _role(path: Path) -> str | None:
 def plan(class_name: str, components: list[str], paths, scales=None) -> list[Assignment]:
     """Pair each file with its component, refusing a wrong count or order by file name."""
     support_for(class_name)
+    roles = noise_roles(class_name)
     paths = [Path(p).expanduser() for p in ([paths] if isinstance(paths, (str, Path)) else list(paths))]
     if not paths:
         raise InvalidParameter("distill needs at least one LoRA file (lora_path)", param="lora_path")
     names = ", ".join(p.name for p in paths)
     if len(paths) != len(components):
-        routing = " then ".join(f"{c} ({NOISE_ROLE[c].replace('_', ' ')})" for c in components) \
+        routing = " then ".join(f"{c} ({roles[c].replace('_', ' ')})" for c in components) \
             if len(components) == 2 else components[0]
         raise InvalidParameter(
             f"{class_name} with {len(components)} denoiser(s) takes {len(components)} distill file(s) "
@@ -82,11 +86,11 @@ def plan(class_name: str, components: list[str], paths, scales=None) -> list[Ass
             raise InvalidParameter(
                 f"{path.name} is a Wan2.2 {role.replace('_', '-')} file, but the model has one transformer; "
                 f"use the matching single-transformer file", param="lora_path")
-        if role != NOISE_ROLE[component]:
+        if role != roles[component]:
             raise InvalidParameter(
                 f"wrong order: {path.name} is a {role.replace('_', '-')} file but position "
                 f"{components.index(component) + 1} goes into {component} "
-                f"({NOISE_ROLE[component].replace('_', '-')}); give the high-noise file first, then the "
+                f"({roles[component].replace('_', '-')}); give the high-noise file first, then the "
                 f"low-noise one (got: {names})", param="lora_path")
     for path in paths:
         if not path.is_file():

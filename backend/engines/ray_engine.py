@@ -115,10 +115,10 @@ class DistillPlan:
         as there), so a wrong preset, count, order or missing file stops the server at start."""
         from .. import presets
         from ..distill.support import plan as route
-        from ..models import resolve_model, spec_for
+        from ..models import resolve_model
 
         resolved = resolve_model(model, data_dir)
-        spec = spec_for(resolved.class_name)
+        spec = resolved.family.spec(resolved.class_name)
         if preset:
             found = presets.get_preset(preset)
             found.fits(model, spec.class_name)
@@ -127,9 +127,7 @@ class DistillPlan:
         else:
             paths, scales = [Path(p).expanduser() for p in lora_paths], lora_scale
         # a denoiser the checkpoint leaves out (Wan2.1 has no transformer_2) takes no file
-        index = resolved.model_index or {}
-        present = [c for c in spec.denoisers if not index or (index.get(c) or [None])[0] is not None]
-        routed = route(spec.class_name, present, paths, scales)
+        routed = route(spec.class_name, list(resolved.denoisers), paths, scales)
         # absolute (replicas run in another cwd), but not resolved: a Hugging Face cache link's
         # name is what routes it (high/low noise) and what metadata shows
         files = tuple(AdapterRef(name=a.path.name, path=str(a.path.absolute()), sha256=adapter_sha256(a.path),

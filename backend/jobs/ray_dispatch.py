@@ -262,10 +262,9 @@ class RayDispatcher:
     def _set_model(self, model_id: str) -> None:
         """What the local worker reports about its model, read from the model's directory (on the
         head, which also builds a demo model once here rather than in every replica)."""
-        from ..models import resolve_model, spec_for
+        from ..models import resolve_model
 
         resolved = resolve_model(model_id, self.config.data_dir)
-        spec = spec_for(resolved.class_name)
         cfg = self.engine_config
         # replicas fuse the plan into its model only, as the local worker does for its start model
         plan = self.plan if self.plan is not None and self.plan.model == model_id else None
@@ -275,8 +274,6 @@ class RayDispatcher:
             # as the local worker's: the --lora-path adapters are pinned for the start model only
             "lora_cache": self.preload.state() if self.preload is not None and self.preload.model == model_id
             else None,
-            "pipeline": spec.class_name, "device": cfg.device or ("cuda" if cfg.gpus_per_replica else "cpu"),
+            "pipeline": resolved.class_name, "device": cfg.device or ("cuda" if cfg.gpus_per_replica else "cpu"),
             "dtype": cfg.dtype, "lora_backend": self.config.lora_backend, "engine": "ray",
-            "spec": {"pipeline": spec.class_name, "output": spec.output, "mode": spec.mode,
-                     "fields": sorted(spec.fields), "denoisers": list(spec.denoisers),
-                     "defaults": {**spec.defaults, **resolved.defaults}}})
+            "spec": resolved.spec_info()})

@@ -110,9 +110,9 @@ class _Worker:
                "pipeline": m.spec.class_name if m.spec else None,
                "seconds_per_step": (sum(self.step_times) / len(self.step_times)) if self.step_times else None}
         if m.spec is not None:
-            out["spec"] = {"pipeline": m.spec.class_name, "output": m.spec.output, "mode": m.spec.mode,
-                           "fields": sorted(m.spec.fields), "denoisers": list(m.denoisers()),
-                           "defaults": {**m.spec.defaults, **m.defaults}}
+            from backend.families import describe
+
+            out["spec"] = describe(m.spec, m.defaults, m.denoisers())
         if self.engine is not None:
             out["lora_cache"] = self.engine.stats()
             if self.prefetcher is not None:

@@ -193,12 +193,11 @@ def denoiser_skeletons(model_id: str, data_dir=None):
     """(pipeline class, {component: module on the meta device}) from the model's configs only."""
     import diffusers
 
-    from ..models import resolve_model, spec_for
+    from ..models import resolve_model
 
     resolved = resolve_model(model_id, data_dir)
-    spec = spec_for(resolved.class_name)
     out = {}
-    for comp in spec.denoisers:
+    for comp in resolved.denoisers:
         config_file = Path(resolved.path) / comp / "config.json"
         if not config_file.is_file():
             continue

@@ -24,9 +24,11 @@ from pathlib import Path
 
 from ..errors import AdapterError, ContractViolation
 
-TASKS = ("t2va", "fl2va", "ref2va")
-#: Which partition a task denoises with.
-PARTITION = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
+from ..families.minimax import TASKS as _FAMILY_TASKS
+
+TASKS = tuple(_FAMILY_TASKS)
+#: Which partition a task denoises with (the family's routing, backend/families/minimax.py).
+PARTITION = dict(_FAMILY_TASKS)
 
 TURBO_PATTERN = "minimax_h3_(fl2v|ref2v)_turbo_<N>step_v<X.Y>[_768p][_bf16].safetensors"
 _TURBO_RE = re.compile(

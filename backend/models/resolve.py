@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import demo
+from .. import demo, families
 from ..errors import CorruptModel, ModelNotFound
 
 
@@ -22,6 +22,21 @@ class ResolvedModel:
     # sampling defaults shipped with the directory (lora_studio.json), if any
     defaults: dict = field(default_factory=dict)
     model_index: dict = field(default_factory=dict)
+
+    @property
+    def family(self):
+        """Its ``backend.families.Family``: by pipeline class, then by the components it carries."""
+        return families.family_for(self.class_name, families.components_of(self.model_index))
+
+    @property
+    def denoisers(self) -> tuple[str, ...]:
+        """The family's denoisers this checkpoint carries (Wan2.1 has no ``transformer_2``)."""
+        have = families.components_of(self.model_index)
+        return tuple(c for c in self.family.denoisers if have is None or c in have)
+
+    def spec_info(self) -> dict:
+        """Its spec as reported before any weights are loaded (``families.describe``)."""
+        return families.describe(families.spec_for(self.class_name), self.defaults, self.denoisers)
 
 
 # Downloads are opt-in: a server must never start fetching tens of GB by surprise.

@@ -1,0 +1,25 @@
+"""Image family: Qwen-Image and Stable Diffusion 3.5 (one transformer, PNG output)."""
+from __future__ import annotations
+
+from . import COMMON_FIELDS, Family, LoraRouting, PipelineSpec
+
+FAMILY = Family(
+    name="image",
+    title="Text-to-image (Qwen-Image, SD3.5)",
+    pipelines=(
+        PipelineSpec(
+            "QwenImagePipeline", "image", ("transformer",),
+            defaults={"height": 1024, "width": 1024, "num_inference_steps": 50, "true_cfg_scale": 4.0,
+                      "negative_prompt": " "},  # Qwen enables true CFG only with a negative prompt
+            fields=COMMON_FIELDS | {"true_cfg_scale", "guidance_scale", "max_sequence_length"}),
+        PipelineSpec(
+            "StableDiffusion3Pipeline", "image", ("transformer",),
+            defaults={"height": 1024, "width": 1024, "num_inference_steps": 28, "guidance_scale": 7.0},
+            fields=COMMON_FIELDS | {"guidance_scale", "max_sequence_length"}),
+    ),
+    output="image",
+    denoisers=("transformer",),
+    demo_models=("demo:qwen-image", "demo:sd3.5"),
+    # distill: Qwen-Image-Lightning files; SD3.5 has no published distill LoRA in this app
+    lora=LoraRouting(distill={"transformer": {}}, distill_pipelines=frozenset({"QwenImagePipeline"})),
+)
