@@ -59,15 +59,18 @@ FAMILY = Family(name="wan-triple", title="needs a transformer_3", pipelines=PIPE
 def fake_family(tmp_path, monkeypatch):
     from backend import families
 
-    (tmp_path / "fake_family_mod.py").write_text(FAKE_MODULE)
-    (tmp_path / "wan_triple_mod.py").write_text(MORE_SPECIFIC_WAN)
+    package = tmp_path / "more_families"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "fake_video.py").write_text(FAKE_MODULE)  # the one module
+    (package / "wan_triple.py").write_text(MORE_SPECIFIC_WAN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    families.register("FakeVideoPipeline", "fake_family_mod")  # the one row
-    families.register("WanPipeline", "wan_triple_mod")
+    families.register("FakeVideoPipeline", "more_families.fake_video")  # the one row
+    families.register("WanPipeline", "more_families.wan_triple")
     yield tmp_path
-    families.unregister("FakeVideoPipeline", "fake_family_mod")
-    families.unregister("WanPipeline", "wan_triple_mod")
-    for name in ("fake_family_mod", "wan_triple_mod"):
+    families.unregister("FakeVideoPipeline", "more_families.fake_video")
+    families.unregister("WanPipeline", "more_families.wan_triple")
+    for name in ("more_families", "more_families.fake_video", "more_families.wan_triple"):
         sys.modules.pop(name, None)
 
 
@@ -183,19 +186,42 @@ REQUESTS = {  # a cheap request per family, sized for the demo models
 }
 
 
-@pytest.mark.parametrize("module", FAMILY_NAMES)
-def test_demo_pipelines_carry_the_denoisers_and_write_the_output_kind(module, manager_for, tmp_path):
-    from backend import families
+def _image(color) -> "Image.Image":
     from PIL import Image
 
-    from backend import outputs
+    return Image.new("RGB", (64, 32), color)
+
+
+TASK_INPUTS = {  # what each MiniMax-H3 task needs besides the prompt
+    "fl2va": {"image": _image((200, 20, 20)), "last_image": _image((20, 20, 200))},
+    "ref2va": {"references": [_image((20, 200, 20))]},
+}
+
+
+@pytest.mark.parametrize("module", FAMILY_NAMES)
+def test_demo_pipelines_carry_the_denoisers_and_write_the_output_kind(module, manager_for, data_dir, tmp_path):
+    from PIL import Image
+
+    from backend import families, outputs
+    from backend.manager import PipelineManager
 
     family = families.load(module)
     m = manager_for(family.demo_models[0])
     assert m.family is family
-    for name in family.denoisers:  # every denoiser the family names exists on the loaded pipeline
-        assert getattr(m.pipeline, name, None) is not None, name
-    assert list(m.denoisers()) == list(family.denoisers)
+    if not family.tasks:  # every denoiser the family names exists on the loaded pipeline
+        for name in family.denoisers:
+            assert getattr(m.pipeline, name, None) is not None, name
+        assert list(m.denoisers()) == list(family.denoisers)
+    else:  # loaded per workflow: the default task's denoiser at load, each other one with its task
+        assert list(m.denoisers()) == [family.tasks[family.default_task]]
+        fresh = PipelineManager(device="cpu", data_dir=data_dir)  # the shared one stays as other tests expect
+        fresh.load(family.demo_models[0])
+        for task, name in family.tasks.items():
+            if getattr(fresh.pipeline, name, None) is None:
+                fresh.generate({**REQUESTS[module], "task_type": task, **TASK_INPUTS.get(task, {})})
+            assert getattr(fresh.pipeline, name, None) is not None, (task, name)
+        assert list(fresh.denoisers()) == list(family.denoisers)
+        fresh.unload()
     result = m.generate(REQUESTS[module])
     path = outputs.save_result(result, data_dir=tmp_path)
     if family.output == "image":
