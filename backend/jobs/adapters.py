@@ -8,7 +8,6 @@ refused the same way, and nothing is said about whether the file exists out ther
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import threading
@@ -23,7 +22,7 @@ from .. import settings
 class ResolvedAdapter:
     name: str
     path: str
-    scale: float | dict
+    scale: float | list | dict  # backend/lora/schedule.py
     int_id: int
 
     def as_dict(self) -> dict:
@@ -167,12 +166,10 @@ def check_adapter_name(name, param: str = "name") -> str:
 
 
 def _scale(value, param: str):
-    if isinstance(value, dict):
-        return {str(k): _scale(v, f"{param}.{k}") for k, v in value.items()}
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidParameter(f"{param} must be a finite number (or one per component), got {value!r}",
-                               param=param)
-    return float(value)
+    """A number, a step schedule, per expert or per-block weights (backend/lora/schedule.py), as JSON."""
+    from ..lora.schedule import to_json
+
+    return to_json(value, param)
 
 
 def _check_file(path: Path, param: str) -> None:
