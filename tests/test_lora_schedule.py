@@ -261,3 +261,24 @@ def test_a_compiled_denoiser_is_not_recompiled_per_step(library, managers):
     finally:
         transformer._compiled_call_impl = None  # back to eager for the module's other users
         engine.activate([])
+
+
+# -- the UI's stack (ui/generate.py: the "weight over steps" field) ---------------------------------------
+def test_ui_stack_takes_the_text_forms_and_restores_them():
+    from ui.generate import adapter_payload, stack_from_payload
+    from ui.views import adapters_label
+
+    stack = [{"name": "a", "scale": 0.5, "split": False, "high": 0.5, "low": 0.5, "schedule": "1.0,0.8,0.5"},
+             {"name": "b", "scale": 1.0, "split": True, "high": 1.2, "low": 0.3, "schedule": " 0.5->1.0 "},
+             {"name": "c", "scale": 0.7, "split": False, "high": 0.7, "low": 0.7, "schedule": ""},
+             {"name": "d", "scale": 1.0, "split": False, "high": 1.0, "low": 1.0,
+              "schedule": '{"scale": 0.8, "blocks": {"0-9": 0.5}}'}]
+    payload = adapter_payload(stack, two_stage=True)
+    assert payload == [{"name": "a", "scale": [1.0, 0.8, 0.5]}, {"name": "b", "scale": {"start": 0.5, "end": 1.0}},
+                       {"name": "c", "scale": 0.7}, {"name": "d", "scale": {"scale": 0.8, "blocks": {"0-9": 0.5}}}]
+    assert adapter_payload(stack_from_payload(payload), two_stage=True) == payload  # a result's settings come back
+    assert [e.get("schedule", "") for e in stack_from_payload(payload)][:3] == ["1,0.8,0.5", "0.5->1", ""]
+    assert adapters_label(payload) == 'a@[1.0,0.8,0.5], b@0.5->1, c@0.7, ' \
+        'd@{"scale":0.8,"blocks":{"0-9":0.5}}'
+    with pytest.raises(InvalidParameter, match=r"a: weight over steps\[1\]: 'x' is not a number"):
+        adapter_payload([{**stack[0], "schedule": "1.0,x"}], two_stage=False)
