@@ -76,6 +76,9 @@ def test_bad_forms_are_refused_by_name(served, scale, names):
     r = served.post("/v1/images/generations", json={**FAST, "extra_body": {"lora": [{"path": INK, "scale": scale}]}},
                     timeout=60)
     assert r.status_code == 400 and names in r.json()["error"]["message"], r.text
+    # in a stack, the adapter's index too
+    r = _post(served, lora=[{"path": INK, "scale": 0.5}, {"path": INK, "scale": scale}])
+    assert r.status_code == 400 and names.replace("lora.", "lora[1].", 1) in r.json()["error"]["message"], r.text
     assert len(served.get("/v1/jobs").json()["data"]) == jobs_before  # nothing was queued
 
 

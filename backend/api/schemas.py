@@ -41,16 +41,10 @@ class LoraSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str | None = Field(None, validation_alias=AliasChoices("name", "lora_name", "adapter"))
     path: str | None = Field(None, validation_alias=AliasChoices("path", "local_path", "lora_path"))
-    # a number, a step schedule, per expert, per-block weights: backend/lora/schedule.py (docs/lora.md)
+    # a number, a step schedule, per expert, per-block weights (docs/lora.md): checked when the
+    # service resolves the adapters, by backend/lora/schedule.py, naming lora[i].scale and the bad part
     scale: Any = Field(1.0, validation_alias=AliasChoices("scale", "lora_scale"))
     int_id: int | None = Field(None, validation_alias=AliasChoices("int_id", "lora_int_id"))
-
-    @field_validator("scale", mode="before")
-    @classmethod
-    def _scale_form(cls, v):
-        from ..lora.schedule import to_json
-
-        return to_json(v, "lora.scale")  # InvalidParameter (400) naming the field and the bad part
 
     def as_request(self) -> dict:
         return {"name": self.name, "path": self.path, "scale": self.scale, "int_id": self.int_id}
