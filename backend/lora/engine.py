@@ -341,7 +341,7 @@ class LoRAEngine:
         keeps its ``schedule.ComponentScale`` (``backend/lora/schedule.py``: the grammar, checked
         here against this model: its components, its blocks and the request's steps)."""
         bound = list(entry.bindings)
-        if isinstance(scale, dict) or isinstance(scale, (list, tuple)) or isinstance(scale, schedule.LoraScale):
+        if isinstance(scale, (dict, list, tuple, schedule.LoraScale)):
             parsed = schedule.parse(scale, "lora_scale")
         else:
             parsed = schedule.parse(1.0 if scale is None else _finite(scale), "lora_scale")
