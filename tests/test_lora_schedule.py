@@ -282,3 +282,25 @@ def test_ui_stack_takes_the_text_forms_and_restores_them():
         'd@{"scale":0.8,"blocks":{"0-9":0.5}}'
     with pytest.raises(InvalidParameter, match=r"a: weight over steps\[1\]: 'x' is not a number"):
         adapter_payload([{**stack[0], "schedule": "1.0,x"}], two_stage=False)
+
+
+def test_omni_takes_a_schedule_per_request(library, data_dir):
+    """``Omni.generate``: one request takes one scale in any form (a list is then a schedule); a
+    list of requests takes a list of scales, each in any form; bad ones are refused by name."""
+    from backend import Omni
+
+    omni = Omni(model="demo:qwen-image", device="cpu", dtype="float32", data_dir=data_dir)
+    q = library / "qwen-image"
+    ink, film = req(q / "qwen-image-ink-kohya.safetensors", 1), req(q / "qwen-image-film-diffusers.safetensors", 2)
+    fields = {"prompt": PROMPT, "seed": 5, "num_inference_steps": STEPS}
+    out = omni.generate(**fields, lora_request=ink, lora_scale=[1.0, 0.5])[0]
+    assert out.metadata["adapters"][0]["scale_resolved"]["per_step"] == [1.0, 1.0, 0.5, 0.5]
+    out = omni.generate(**fields, lora_request=[ink, film],
+                        lora_scale=[{"start": 1.0, "end": 0.0}, {"scale": 0.5, "blocks": {"1": 0.0}}])[0]
+    assert [a["scale"] for a in out.metadata["adapters"]] == [{"start": 1.0, "end": 0.0},
+                                                              {"scale": 0.5, "blocks": {"1": 0.0}}]
+    assert out.metadata["lora_mode"]["mode"] == "unfused"
+    with pytest.raises(InvalidParameter, match=r"lora_scale\[1\]\.blocks\.x: 'x' is not a block range"):
+        omni.generate(**fields, lora_request=[ink, film], lora_scale=[1.0, {"blocks": {"x": 1}}])
+    with pytest.raises(InvalidParameter, match="2 lora_request"):
+        omni.generate(**fields, lora_request=[ink, film], lora_scale=[1.0, 0.5, 0.2])
