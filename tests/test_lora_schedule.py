@@ -188,8 +188,8 @@ def test_per_block_weights(library, managers):
     assert np.abs(first - base).max() > 1 and np.abs(first - full).max() > 1
     # per-block weights with a schedule: unfused, the block weight times the step's value
     both, meta = pixels(m, [(ink, {"scale": {"start": 1.0, "end": 0.0}, "blocks": {"1": 0.5}})])
-    assert meta["adapters"][0]["scale_resolved"] == {"steps": STEPS, "per_step": pytest.approx([1.0, 2 / 3, 1 / 3, 0.0]),
-                                                     "blocks": [1.0, 0.5]}
+    assert meta["adapters"][0]["scale_resolved"] == {"steps": STEPS, "blocks": [1.0, 0.5],
+                                                     "per_step": pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])}
     assert meta["adapters"][0]["mode"] == "unfused"
     # a range past the model's blocks, a list longer than the steps: refused by name
     with pytest.raises(InvalidParameter, match=r"lora_scale\.blocks: range '2-' starts past the last block: "
