@@ -43,11 +43,35 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="an adapter library root (repeatable); <data-dir>/adapters is always included")
 
 
+def _scale_arg(text: str):
+    """--lora-scale: a number, 1.0,0.8,0.5, 0.5->1.0 or JSON (backend/lora/schedule.py), checked here."""
+    from backend.errors import InvalidParameter
+    from backend.lora.schedule import parse_text
+
+    try:
+        return parse_text(text, "--lora-scale")
+    except InvalidParameter as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _number_scale(args) -> None:
+    """serve and the distill backend fuse or pre-load with one number: a schedule is per request."""
+    if not isinstance(args.lora_scale, float):
+        from backend.errors import InvalidParameter
+
+        raise InvalidParameter("--lora-scale: a step schedule or block weights apply per request (generate "
+                               "--lora-backend peft, or the HTTP lora object's scale); here give a number",
+                               param="lora_scale")
+
+
 def _lora(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-backend", choices=("peft", "distill"), default="peft",
                    help="peft: adapters per request; distill: fuse --lora-path into the base at start")
     p.add_argument("--lora-path", nargs="+", metavar="P", help="adapter file(s) or PEFT folder(s)")
-    p.add_argument("--lora-scale", type=float, default=1.0, metavar="S", help="the weight of the --lora-path adapters")
+    p.add_argument("--lora-scale", type=_scale_arg, default=1.0, metavar="S",
+                   help="the weight of the --lora-path adapters: a number; generate (peft) also takes a step "
+                        "schedule 1.0,0.8,0.5 or 0.5->1.0, or JSON with per-expert or per-block weights "
+                        "(docs/lora.md, 'Scheduled and per-block scales')")
     p.add_argument("--lora-mode", choices=("auto", "merge", "unfused"), default=None,
                    help="peft: merge adapters into the weights, serve them unfused (hooks, no weight write), "
                         "or pick per request by cost (default: auto on CUDA, merge on CPU; docs/lora.md)")
@@ -195,6 +219,8 @@ def cmd_generate(args) -> int:
     resolver = AdapterResolver(args.adapter_dir, args.data_dir)
     tagged = [(a, resolver.by_name(a["name"])) for a in tags]  # unknown names refused before loading
 
+    if args.lora_backend == "distill":
+        _number_scale(args)
     omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
                 lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
                 data_dir=args.data_dir, adapter_dirs=args.adapter_dir, offload=args.offload,
@@ -260,6 +286,7 @@ def cmd_serve(args) -> int:
     limits = Limits(max_side=args.max_side, max_frames=args.max_frames, max_work=args.max_work,
                     max_prompt_chars=args.max_prompt_chars, max_adapters=args.max_adapters,
                     job_timeout=args.job_timeout)
+    _number_scale(args)
     studio = Studio(args.model, data_dir=args.data_dir, adapter_dirs=args.adapter_dir,
                     lora_backend=args.lora_backend, lora_paths=args.lora_path, lora_scale=args.lora_scale,
                     preset=args.preset, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,

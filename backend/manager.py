@@ -187,6 +187,8 @@ class PipelineManager:
             applied = engine.activate(adapters or [], steps=steps, mode=lora_mode,
                                       queued_same=queued_same) if engine is not None else []
             calls, run_started = (engine.unfused.forward_calls() if engine is not None else 0), time.perf_counter()
+            if engine is not None:  # a step schedule: each step's scales set from the step callback
+                on_step = engine.unfused.stepper(steps, on_step)
             with self._scheduler_for(params), self._boundary_for(params):
                 output = self._run(params, on_step, cancel)
             result = self._collect(output, params)

@@ -13,6 +13,7 @@ from typing import Any
 from .demo import DEFAULT_MODEL
 from .errors import InvalidParameter
 from .lora.request import LoRARequest
+from .lora.schedule import to_json
 from .manager import GenerationResult, PipelineManager
 from .outputs import save_result
 
@@ -45,7 +46,8 @@ class Omni:
             raise InvalidParameter(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {lora_backend!r}",
                                    param="lora_backend")
         self.lora_backend = lora_backend
-        self.lora_scale = float(lora_scale)
+        # distill fuses one number; a peft adapter's scale may be a schedule (backend/lora/schedule.py)
+        self.lora_scale = float(lora_scale) if lora_backend == "distill" else to_json(lora_scale, "lora_scale")
         self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
         self.data_dir = data_dir
         self.adapter_dirs = list(adapter_dirs or [])
@@ -88,17 +90,23 @@ class Omni:
         return outputs
 
     def _adapters(self, lora_request, lora_scale) -> list:
-        """Pair each LoRARequest with its scale (a list of requests takes a list of scales)."""
+        """Pair each LoRARequest with its scale. One request takes one scale in any form (a number,
+        a step schedule such as ``[1.0, 0.5]`` or ``{"start": 0.5, "end": 1.0}``, per expert, per block:
+        backend/lora/schedule.py); a list of requests takes a list with one scale per request (or
+        one scale that is not a list, for all)."""
         if lora_request is None:
             return []
-        requests = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
-        if isinstance(lora_scale, (list, tuple)):
+        single = not isinstance(lora_request, (list, tuple))
+        requests = [lora_request] if single else lora_request
+        if isinstance(lora_scale, (list, tuple)) and not single:
             scales = list(lora_scale)
         else:
             scales = [self.lora_scale if lora_scale is None else lora_scale] * len(requests)
         if len(scales) != len(requests):
             raise InvalidParameter(f"{len(requests)} lora_request(s) but {len(scales)} lora_scale value(s)",
                                    param="lora_scale")
+        where = (lambda i: "lora_scale") if single else (lambda i: f"lora_scale[{i}]")
+        scales = [to_json(s, where(i)) for i, s in enumerate(scales)]  # refused by name before any work
         for req in requests:
             if not isinstance(req, LoRARequest):
                 raise InvalidParameter(f"lora_request must be a LoRARequest, got {type(req).__name__}",

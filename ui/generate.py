@@ -42,10 +42,15 @@ def model_choices(studio) -> list[tuple[str, str]]:
 
 
 def adapter_payload(stack: list[dict], two_stage: bool) -> list[dict]:
-    """The stack as the facade takes it: [{"name", "scale"}], scale per component when split."""
+    """The stack as the facade takes it: [{"name", "scale"}], scale per component when split; a
+    row's "over steps" text (``1.0,0.8,0.5``, ``0.5->1.0`` or JSON: backend/lora/schedule.py) wins."""
+    from backend.lora.schedule import parse_text
+
     out = []
     for e in stack:
-        if two_stage and e.get("split"):
+        if str(e.get("schedule") or "").strip():
+            out.append({"name": e["name"], "scale": parse_text(e["schedule"], f"{e['name']}: weight over steps")})
+        elif two_stage and e.get("split"):
             out.append({"name": e["name"], "scale": {"transformer": float(e["high"]),
                                                      "transformer_2": float(e["low"])}})
         else:
@@ -57,13 +62,31 @@ def stack_from_payload(adapters: list[dict]) -> list[dict]:
     stack = []
     for a in adapters[:MAX_LORAS]:
         scale = a.get("scale", 1.0)
-        if isinstance(scale, dict):
+        text = schedule_text(scale)
+        if text:
+            stack.append({"name": a["name"], "scale": 1.0, "split": False, "high": 1.0, "low": 1.0,
+                          "schedule": text})
+        elif isinstance(scale, dict):
             hi, lo = float(scale.get("transformer", 1.0)), float(scale.get("transformer_2", 1.0))
             stack.append({"name": a["name"], "scale": hi, "split": True, "high": hi, "low": lo})
         else:
             s = float(scale)
             stack.append({"name": a["name"], "scale": s, "split": False, "high": s, "low": s})
     return stack
+
+
+def schedule_text(scale) -> str:
+    """A scale the sliders cannot show, as the "over steps" field's text ("" for a number or
+    numbers per transformer): ``1.0,0.8,0.5``, ``0.5->1.0``, else JSON."""
+    import json
+
+    if isinstance(scale, list):
+        return ",".join(f"{v:g}" for v in scale)
+    if isinstance(scale, dict) and set(scale) == {"start", "end"}:
+        return f"{scale['start']:g}->{scale['end']:g}"
+    if isinstance(scale, dict) and not all(isinstance(v, (int, float)) for v in scale.values()):
+        return json.dumps(scale)
+    return ""
 
 
 @dataclass
@@ -77,9 +100,10 @@ class StackRow:
     up: gr.Button
     down: gr.Button
     remove: gr.Button
+    schedule: gr.Textbox = None  # the weight over steps / per block, as text (overrides the sliders)
 
     def outputs(self) -> list:
-        return [self.row, self.name, self.scale, self.split, self.high, self.low]
+        return [self.row, self.name, self.scale, self.split, self.high, self.low, self.schedule]
 
 
 def render_stack(stack: list[dict], two_stage: bool) -> list:
@@ -90,10 +114,10 @@ def render_stack(stack: list[dict], two_stage: bool) -> list:
             split = two_stage and bool(e.get("split"))
             updates += [gr.update(visible=True), e["name"], gr.update(value=e["scale"], visible=not split),
                         gr.update(value=split, visible=two_stage), gr.update(value=e["high"], visible=split),
-                        gr.update(value=e["low"], visible=split)]
+                        gr.update(value=e["low"], visible=split), e.get("schedule") or ""]
         else:
             updates += [gr.update(visible=False), "", gr.update(value=1.0), gr.update(value=False),
-                        gr.update(value=1.0), gr.update(value=1.0)]
+                        gr.update(value=1.0), gr.update(value=1.0), ""]
     return updates
 
 
@@ -266,7 +290,10 @@ def build(studio) -> GenerateTab:
                                                 min_width=100)
                             high = weight_slider("transformer (high noise)", visible=False, scale=2)
                             low = weight_slider("transformer_2 (low noise)", visible=False, scale=2)
-                    t.rows.append(StackRow(row, name, scale, split, high, low, up, down, remove))
+                        sched = gr.Textbox(label="weight over steps (optional: replaces the sliders)",
+                                           placeholder="1.0,0.8,0.5  or  0.5->1.0  or  {\"blocks\": {\"0-9\": 0.5}}",
+                                           max_lines=1, elem_id=f"stack-schedule-{i}")
+                    t.rows.append(StackRow(row, name, scale, split, high, low, up, down, remove, sched))
 
             with gr.Accordion("Preset (distill: fused into the base weights)", open=False, elem_id="gen-preset"):
                 with gr.Row():
@@ -391,7 +418,7 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                         stack[i]["high"] = stack[i]["low"] = value
                 return stack
             return set_value
-        for key, comp in (("scale", r.scale), ("high", r.high), ("low", r.low)):
+        for key, comp in (("scale", r.scale), ("high", r.high), ("low", r.low), ("schedule", r.schedule)):
             comp.change(setter(key), [comp, t.stack], t.stack, api_visibility="private", queue=False)
 
         def toggle(split, stack, model_id, i=i):
@@ -456,8 +483,10 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
     # -- generate: queue jobs, then the page's poll follows them ---------------------------------
     def submit(model_id, prompt, seed, batch, stack, watch, *values):
         values, weights = values[:len(WIDGETS)], values[len(WIDGETS):]
+        texts = weights[3 * MAX_LORAS:]  # the rows' "weight over steps" fields
         # the weights as the sliders show them now (the browser clamps a typed 5 to the slider's 4)
-        stack = [{**e, "scale": weights[3 * i], "high": weights[3 * i + 1], "low": weights[3 * i + 2]}
+        stack = [{**e, "scale": weights[3 * i], "high": weights[3 * i + 1], "low": weights[3 * i + 2],
+                  "schedule": texts[i] if i < len(texts) else e.get("schedule")}
                  for i, e in enumerate(stack or [])]
         m = models_by_id(studio).get(model_id)
         if m is None:
@@ -476,7 +505,10 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                 value = clean_value(w, v)
                 if value is not None:
                     params[w.name] = value
-        payload = adapter_payload(stack, m.two_stage)
+        try:
+            payload = adapter_payload(stack, m.two_stage)
+        except Exception as exc:  # a bad "weight over steps": refused by name, nothing queued
+            return [error_html(readable(exc)), gr.update(), gr.update()]
         queued = []
         try:
             for i in range(n):
@@ -498,7 +530,7 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
         watch = {**(watch or {}), "ids": keep + [str(j["id"]) for j in queued]}
         return [note, watch, str(queued[-1]["id"])]
 
-    sliders = [c for r in t.rows for c in (r.scale, r.high, r.low)]
+    sliders = [c for r in t.rows for c in (r.scale, r.high, r.low)] + [r.schedule for r in t.rows]
     go.click(submit, [t.model, t.prompt, t.seed, t.batch, t.stack, t.watch, *t.field_outputs(), *sliders],
              [t.status, t.watch, t.job_id], api_visibility="private", queue=False, trigger_mode="multiple",
              show_progress="hidden")

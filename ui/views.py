@@ -182,10 +182,14 @@ def adapters_label(adapters) -> str:
     parts = []
     for a in adapters or []:
         scale = a.get("scale")
-        if isinstance(scale, dict):
+        if isinstance(scale, dict) and set(scale) == {"start", "end"}:  # a linear schedule
+            scale = f"{scale['start']:g}->{scale['end']:g}"
+        elif isinstance(scale, dict) and all(isinstance(v, (int, float)) for v in scale.values()):
             scale = "/".join(f"{v:g}" for v in scale.values())
         elif isinstance(scale, (int, float)):
             scale = f"{scale:g}"
+        elif scale is not None:  # a step schedule or block weights (backend/lora/schedule.py)
+            scale = json.dumps(scale, separators=(",", ":"))
         parts.append(f"{a.get('name')}@{scale}" if scale is not None else str(a.get("name")))
     return ", ".join(parts)
 

@@ -41,7 +41,9 @@ class LoraSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str | None = Field(None, validation_alias=AliasChoices("name", "lora_name", "adapter"))
     path: str | None = Field(None, validation_alias=AliasChoices("path", "local_path", "lora_path"))
-    scale: float | dict[str, float] = Field(1.0, validation_alias=AliasChoices("scale", "lora_scale"))
+    # a number, a step schedule, per expert, per-block weights (docs/lora.md): checked when the
+    # service resolves the adapters, by backend/lora/schedule.py, naming lora[i].scale and the bad part
+    scale: Any = Field(1.0, validation_alias=AliasChoices("scale", "lora_scale"))
     int_id: int | None = Field(None, validation_alias=AliasChoices("int_id", "lora_int_id"))
 
     def as_request(self) -> dict:

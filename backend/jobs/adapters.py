@@ -8,7 +8,6 @@ refused the same way, and nothing is said about whether the file exists out ther
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import threading
@@ -23,7 +22,7 @@ from .. import settings
 class ResolvedAdapter:
     name: str
     path: str
-    scale: float | dict
+    scale: float | list | dict  # backend/lora/schedule.py
     int_id: int
 
     def as_dict(self) -> dict:
@@ -129,6 +128,7 @@ class AdapterResolver:
             where = f"lora[{i}]" if len(specs) > 1 else "lora"
             if not isinstance(spec, dict):
                 raise InvalidParameter(f"{where} must be an object with a name and/or path", param=where)
+            scale = _scale(spec.get("scale", 1.0), f"{where}.scale")  # first: pure, before any file is looked at
             name, path = spec.get("name"), spec.get("path")
             if not name and not path:
                 raise InvalidParameter(f"{where} needs a name or a path", param=f"{where}.name")
@@ -136,7 +136,6 @@ class AdapterResolver:
             if not name:
                 name = real.name if real.is_dir() else real.stem
             _check_file(real, f"{where}.path" if path else f"{where}.name")
-            scale = _scale(spec.get("scale", 1.0), f"{where}.scale")
             int_id = spec.get("int_id")
             if int_id is None:
                 int_id = self.int_id(real)
@@ -167,12 +166,10 @@ def check_adapter_name(name, param: str = "name") -> str:
 
 
 def _scale(value, param: str):
-    if isinstance(value, dict):
-        return {str(k): _scale(v, f"{param}.{k}") for k, v in value.items()}
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidParameter(f"{param} must be a finite number (or one per component), got {value!r}",
-                               param=param)
-    return float(value)
+    """A number, a step schedule, per expert or per-block weights (backend/lora/schedule.py), as JSON."""
+    from ..lora.schedule import to_json
+
+    return to_json(value, param)
 
 
 def _check_file(path: Path, param: str) -> None:

@@ -47,6 +47,7 @@ import torch
 from ..cpu_tasks import run_tasks
 from ..errors import AdapterError, AdapterNotFound, InvalidParameter
 from . import pristine as pristine_mod
+from . import schedule
 from .adapter import LoadedAdapter, load_adapter
 from .cache import TwoTierCache
 from .request import LoRARequest
@@ -283,11 +284,11 @@ class LoRAEngine:
                     raise InvalidParameter(f"expected a LoRARequest, got {type(request).__name__}",
                                            param="lora_request")
                 entry = self.load(request)
-                scales = self._component_scales(entry, scale)
+                scales = self._component_scales(entry, scale, steps)
                 slot = combined.setdefault(identity_of(entry), [entry, {}, request])
                 for comp, value in scales.items():
-                    slot[1][comp] = slot[1].get(comp, 0.0) + value
-            meta = [self._meta(e, s, r) for e, s, r in combined.values() if any(v != 0.0 for v in s.values())]
+                    slot[1][comp] = _summed(slot[1].get(comp, 0.0), value, entry.name)
+            meta = [self._meta(e, s, r, steps) for e, s, r in combined.values() if any(v != 0.0 for v in s.values())]
             loaded = sorted(((ident, e, {c: v for c, v in s.items() if v != 0.0})
                              for ident, (e, s, _) in combined.items() if any(v != 0.0 for v in s.values())),
                             key=lambda item: item[0])
@@ -335,29 +336,65 @@ class LoRAEngine:
     def active(self) -> list[dict]:
         return [dict(m) for m in self._active_meta]
 
-    def _component_scales(self, entry: LoadedAdapter, scale) -> dict[str, float]:
+    def _component_scales(self, entry: LoadedAdapter, scale, steps=None) -> dict:
+        """{component: float} for a plain scale; a component with a step schedule or block weights
+        keeps its ``schedule.ComponentScale`` (``backend/lora/schedule.py``: the grammar, checked
+        here against this model: its components, its blocks and the request's steps)."""
         bound = list(entry.bindings)
-        if isinstance(scale, dict):
-            out = {}
-            for comp, value in scale.items():
+        if isinstance(scale, (dict, list, tuple, schedule.LoraScale)):
+            parsed = schedule.parse(scale, "lora_scale")
+        else:
+            parsed = schedule.parse(1.0 if scale is None else _finite(scale), "lora_scale")
+        if parsed.default is None:
+            for comp, value in parsed.components:
                 if comp not in self.denoisers:
                     raise InvalidParameter(f"lora_scale names component {comp!r}; {self.model} has "
                                            f"{', '.join(self.denoisers)}", param="lora_scale")
-                value = _finite(value)
-                if value != 0.0 and comp not in bound:
+                if not (value.plain and value.steps.constant == 0.0) and comp not in bound:
                     raise InvalidParameter(f"adapter {entry.name!r} does not bind to {comp!r} "
                                            f"(it binds to {', '.join(bound)})", param="lora_scale")
-                out[comp] = value
-            return {c: out.get(c, 0.0) for c in bound}
-        value = 1.0 if scale is None else _finite(scale)
-        return {c: value for c in bound}
+        per = parsed.per_component(bound)
+        out = {}
+        for comp in bound:
+            value = per.get(comp)
+            if value is None:
+                out[comp] = 0.0
+                continue
+            where = "lora_scale" if parsed.default is not None else f"lora_scale.{comp}"
+            if value.scheduled:
+                if not steps:
+                    raise InvalidParameter(f"{where}: a schedule over steps needs the request's steps",
+                                           param="lora_scale")
+                value.steps.check_steps(int(steps), where)
+            if value.blocks is not None:
+                value.blocks.check_count(sum(n for _, n in self._block_lists(comp)), comp, where)
+            out[comp] = value.steps.constant if value.plain else value
+        return out
+
+    def _block_lists(self, comp: str) -> list:
+        lists = getattr(self, "_blocks_cache", None)
+        if lists is None:
+            lists = self._blocks_cache = {c: schedule.block_lists(d) for c, d in self.denoisers.items()}
+        return lists[comp]
 
     def _plan(self, loaded) -> dict[tuple[str, str], list]:
-        """(component, module) -> [(identity, scale)] (canonical order) for every layer the set touches."""
+        """(component, module) -> [(identity, scale)] (canonical order) for every layer the set touches.
+
+        A scale with block weights gives each layer its own (scale x its block's weight; a layer
+        whose weight is 0 is left out); a step schedule's layers carry the block weight alone and
+        its per-step value is applied by the unfused path (``UnfusedServing``) at each step."""
         plan: dict[tuple[str, str], list] = {}
         for ident, entry, scales in loaded:
             for comp, s in scales.items():
                 for module in entry.bindings[comp].layers:
+                    if isinstance(s, schedule.ComponentScale):
+                        w = s.blocks.weight(schedule.block_of(module, self._block_lists(comp))) \
+                            if s.blocks is not None else 1.0
+                        value = w if s.scheduled else s.steps.constant * w
+                        if value == 0.0:
+                            continue
+                        plan.setdefault((comp, module), []).append((ident, value))
+                        continue
                     plan.setdefault((comp, module), []).append((ident, s))
         return plan
 
@@ -577,11 +614,15 @@ class LoRAEngine:
             raise AdapterNotFound(f"no loaded adapter named {name_or_id!r}", param="lora_name")
         return key
 
-    def _meta(self, entry: LoadedAdapter, scales: dict[str, float], request: LoRARequest) -> dict:
+    def _meta(self, entry: LoadedAdapter, scales: dict, request: LoRARequest, steps=None) -> dict:
+        row = {"name": request.lora_name, "int_id": request.lora_int_id, "path": str(entry.record.path),
+               "sha256": entry.record.sha256, "format": entry.record.format}
+        if any(isinstance(v, schedule.ComponentScale) for v in scales.values()):
+            return {**row, **schedule.metadata(scales, steps, {c: sum(n for _, n in self._block_lists(c))
+                                                              for c in scales})}
         values = set(scales.values())
         scale = values.pop() if len(values) == 1 else dict(scales)
-        return {"name": request.lora_name, "int_id": request.lora_int_id, "path": str(entry.record.path),
-                "sha256": entry.record.sha256, "format": entry.record.format, "scale": scale}
+        return {**row, "scale": scale}
 
     def pristine_bytes(self) -> int:
         return self.pristine.nbytes()
@@ -603,6 +644,16 @@ class LoRAEngine:
                     "active": self.active, "counters": dict(self.counters),
                     "merged_layers": len(self._merged), "pristine_bytes": self.pristine_bytes(),
                     "pristine": self.pristine_info(), "unfused": self.unfused.stats()}
+
+
+def _summed(a, b, name: str):
+    """One adapter named twice: plain scales add; a schedule or block weights cannot be summed."""
+    if isinstance(a, schedule.ComponentScale) or isinstance(b, schedule.ComponentScale):
+        if a == 0.0 or b == 0.0:
+            return b if a == 0.0 else a
+        raise InvalidParameter(f"adapter {name!r} is named twice and one has a schedule or block weights; "
+                               "name it once", param="lora_scale")
+    return a + b
 
 
 def _stacked(contributions, dtype) -> tuple[torch.Tensor, torch.Tensor, float]:

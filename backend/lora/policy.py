@@ -21,6 +21,11 @@ the unfused overhead is paid by every job.
 
 ``unfused`` is chosen when ``unfused_s < merge_s``; with no step time measured yet
 (the first run of a model) the answer is ``merge`` (the exact, zero-overhead path).
+
+A set with a step schedule (``scheduled``: a scale that changes between steps,
+``backend/lora/schedule.py``) always runs unfused, whatever ``lora_mode`` says: its scales
+are set per step in a tensor the hooks read, where a merge would rewrite every layer at
+every step (and a compiled denoiser would see new constants).
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ class PolicyInputs:
     forwards: float = 1.0         # denoiser forwards per step
     queued_same: int = 0          # queued jobs with the same adapter set (run next by affinity)
     repeats: int = 0              # consecutive earlier requests with the same set
+    scheduled: bool = False       # a scale changes between steps (a step schedule): unfused, always
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,9 @@ def unfused_cost(i: PolicyInputs) -> float | None:
 
 def decide(i: PolicyInputs, requested: str = "auto") -> Decision:
     """The mode for one request (see the module docstring for the formula)."""
+    if i.scheduled:
+        return Decision("unfused", requested, "a step schedule: scales set per step unfused "
+                        "(a merge would rewrite the layers every step)", inputs=i)
     if requested == "merge":
         return Decision("merged", requested, "forced (lora_mode=merge)", inputs=i)
     if requested == "unfused":

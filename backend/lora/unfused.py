@@ -23,6 +23,8 @@ so both modes refuse exactly the same adapters.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +50,31 @@ class _Hook:
         return out if bias is None else out.add_(bias)
 
 
+class _ScheduledHook:
+    """A layer of a set with a step schedule: ``out + B'((A'x) * coef) + bias'``. The per-rank
+    ``coef = table[slot] * weight`` reads the step's scales from a tensor set in place each step
+    (``UnfusedServing.set_step``), so every step runs the same code on the same tensors: nothing
+    is re-merged and a compiled denoiser sees one graph for the whole run. ``weight`` is each
+    rank's adapter scaling x block weight (x the constant scale of an unscheduled adapter, whose
+    slot is 0, always 1.0)."""
+
+    __slots__ = ("a", "b", "table", "slot", "weight", "bias", "bias_slot", "bias_weight")
+
+    def __init__(self, a, b, table, slot, weight, bias=None, bias_slot=None, bias_weight=None):
+        self.a, self.b, self.table, self.slot, self.weight = a, b, table, slot, weight
+        self.bias, self.bias_slot, self.bias_weight = bias, bias_slot, bias_weight
+
+    def __call__(self, module, args, kwargs, output):
+        x = args[0] if args else kwargs["input"]
+        a, b = self.a.to(x.dtype), self.b.to(x.dtype)
+        coef = self.table.index_select(0, self.slot).mul(self.weight)
+        out = output + F.linear(F.linear(x, a) * coef.to(x.dtype), b)
+        if self.bias is not None:
+            bc = self.table.index_select(0, self.bias_slot).mul(self.bias_weight)
+            out = out + (bc @ self.bias).to(out.dtype)
+        return out
+
+
 class _ForwardCounter:
     """A forward pre-hook kept on the module itself (no reference to any engine)."""
 
@@ -70,6 +97,7 @@ class UnfusedServing:
         self.config = {**DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"]), **(config or {})}
         self._handles: list = []
         self._key = None  # the set served unfused now (the engine's activation key)
+        self._tables: dict = {}  # step schedules: component -> (scale table tensor, [Steps per slot 1..])
         self._last_key = None
         self._repeats = 0
         self.last_decision: Decision | None = None
@@ -81,7 +109,7 @@ class UnfusedServing:
         for d in engine.denoisers.values():
             for m in d.modules():  # hooks an earlier engine on these modules left on: never two at once
                 for hid, hook in list(m._forward_hooks.items()):
-                    if isinstance(hook, _Hook):
+                    if isinstance(hook, (_Hook, _ScheduledHook)):
                         m._forward_hooks.pop(hid, None)
             if not isinstance(getattr(d, "_lora_studio_forwards", None), _ForwardCounter):
                 d._lora_studio_forwards = _ForwardCounter()  # counts denoiser forwards (2 per step with CFG)
@@ -105,7 +133,9 @@ class UnfusedServing:
             self.last_decision = None
             return False
         entries = {ident: e for ident, e, _ in loaded}
-        inputs = self.inputs(plan, entries, steps=steps, queued_same=queued_same)
+        scheduled = {(ident, comp): s.steps for ident, _, scales in loaded for comp, s in scales.items()
+                     if getattr(s, "scheduled", False)}  # step schedules (backend/lora/schedule.py)
+        inputs = self.inputs(plan, entries, steps=steps, queued_same=queued_same, scheduled=bool(scheduled))
         decision = decide(inputs, requested)
         self.last_decision = decision
         if decision.mode == "merged":
@@ -120,9 +150,12 @@ class UnfusedServing:
             return True
         factors = engine._device_factors(entries)
         try:  # every hook's factors first (and the finite check): nothing is touched if one is refused
-            hooks = [((comp, module), _Hook(*engine._unfused_factors(
-                         comp, module, engine._contributions(plan, (comp, module), entries, factors))))
-                     for comp, module in sorted(plan)]
+            if scheduled:
+                hooks, tables = self._scheduled_hooks(plan, entries, factors, scheduled)
+            else:
+                hooks, tables = [((comp, module), _Hook(*engine._unfused_factors(
+                    comp, module, engine._contributions(plan, (comp, module), entries, factors))))
+                    for comp, module in sorted(plan)], {}
         except _LayerWriteFailed as failed:
             self._remove()
             engine.restore_base()
@@ -131,13 +164,79 @@ class UnfusedServing:
         self._remove()
         engine.restore_base()  # layers left merged go back to pristine (no write when nothing is merged)
         self._install(hooks)
+        self._tables = tables
         engine._active_key = ("unfused",) + tuple(key)
         engine._active_meta = meta
         engine.counters["switches"] += 1
         self._key = key
         return True
 
-    def inputs(self, plan, entries, *, steps=None, queued_same: int = 0) -> PolicyInputs:
+    def _scheduled_hooks(self, plan, entries, factors, scheduled):
+        """Hooks reading per-step scales from one table per component (slot 0: 1.0, for the
+        unscheduled adapters of the set), and those tables. The finite check runs on each layer's
+        stack at its largest scale over the steps."""
+        engine = self.engine
+        slots: dict = {}
+        for ident, comp in sorted(scheduled):
+            slots.setdefault(comp, []).append((ident, scheduled[(ident, comp)]))
+        tables = {}
+        for comp, items in slots.items():
+            device = next(iter(engine._params[comp].values())).device
+            with torch.no_grad():
+                tables[comp] = (torch.ones(len(items) + 1, dtype=torch.float32, device=device),
+                                [st for _, st in items])
+        slot_of = {(ident, comp): i + 1 for comp, items in slots.items() for i, (ident, _) in enumerate(items)}
+        hooks = []
+        for comp, module in sorted(plan):
+            contributions = engine._contributions(plan, (comp, module), entries, factors)
+            peak = [(f, s * max((abs(v) for v in scheduled[(ident, comp)].values), default=1.0)
+                     if (ident, comp) in scheduled else s, name)
+                    for (f, s, name), (ident, _) in zip(contributions, plan[(comp, module)])]
+            engine._unfused_factors(comp, module, peak)  # raises _LayerWriteFailed when not finite
+            slot, weight, bias, bias_slot, bias_weight = [], [], [], [], []
+            for (f, s, _), (ident, _) in zip(contributions, plan[(comp, module)]):
+                k = slot_of.get((ident, comp), 0)
+                slot += [k] * f.a.shape[0]
+                weight += [s * f.scaling] * f.a.shape[0]
+                if f.bias is not None:
+                    bias.append(f.bias.float())
+                    bias_slot.append(k)
+                    bias_weight.append(s * f.scaling)
+            table = tables[comp][0] if comp in tables else \
+                torch.ones(1, dtype=torch.float32, device=contributions[0][0].a.device)
+            dev = table.device
+            a = torch.cat([f.a for f, _, _ in contributions], dim=0)
+            b = torch.cat([f.b for f, _, _ in contributions], dim=1)
+            hooks.append(((comp, module), _ScheduledHook(
+                a, b, table, torch.tensor(slot, device=dev), torch.tensor(weight, dtype=torch.float32, device=dev),
+                torch.stack(bias) if bias else None,
+                torch.tensor(bias_slot, device=dev) if bias else None,
+                torch.tensor(bias_weight, dtype=torch.float32, device=dev) if bias else None)))
+        return hooks, tables
+
+    def set_step(self, step: int, steps: int) -> None:
+        """The scales of step ``step`` (0-based) of ``steps``, written in place into the tables."""
+        for table, items in self._tables.values():
+            values = torch.tensor([1.0] + [st.at(step, steps) for st in items], dtype=torch.float32)
+            table.copy_(values)
+
+    def stepper(self, steps, on_step):
+        """``on_step`` for a run of ``steps``: with a step schedule active, the scales of step 0 are
+        set now and each step's callback sets the next step's; otherwise ``on_step`` itself."""
+        if not self._tables or not self._handles or not steps:
+            return on_step
+        total = int(steps)
+        self.set_step(0, total)
+
+        def step_end(done: int, of: int) -> None:
+            if done < total:
+                self.set_step(done, total)
+            if on_step is not None:
+                on_step(done, of)
+
+        return step_end
+
+    def inputs(self, plan, entries, *, steps=None, queued_same: int = 0, scheduled: bool = False) -> PolicyInputs:
         """The policy's inputs for the engine's plan ((component, module) -> [(identity, scale)])
         and its entries (identity -> LoadedAdapter)."""
         engine, cfg = self.engine, self.config
@@ -156,7 +255,7 @@ class UnfusedServing:
                             bandwidth=float(cfg["bandwidth"]), fixed_s=float(cfg["fixed_s"]), step_s=self.step_s,
                             ratio=lowrank / base, hooked_layers=max(per_comp.values()),
                             hook_s=float(cfg["hook_s"]), forwards=self.forwards,
-                            queued_same=int(queued_same or 0), repeats=self._repeats)
+                            queued_same=int(queued_same or 0), repeats=self._repeats, scheduled=scheduled)
 
     def _weight_bytes(self, target) -> int:
         comp, module = target
@@ -189,6 +288,9 @@ class UnfusedServing:
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def _install(self, hooks) -> None:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None:  # a compiled denoiser: guard on hooks, else those added after compile are ignored
+            dynamo.config.skip_nnmodule_hook_guards = False
         for (comp, module), hook in hooks:
             layer = self.engine.denoisers[comp].get_submodule(module)
             self._handles.append(layer.register_forward_hook(hook, with_kwargs=True))
@@ -198,6 +300,7 @@ class UnfusedServing:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._tables = {}
         if self._key is not None:
             self.engine._active_key, self.engine._active_meta = (), []
         self._key = None
