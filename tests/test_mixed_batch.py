@@ -155,35 +155,54 @@ def names(library):
     return NAMES
 
 
-def test_four_jobs_with_different_adapters_run_as_one_batch_over_http(data_dir, demo_path, library, names,
-                                                                    tmp_path_factory):
+@pytest.fixture(scope="module")
+def batch_server(data_dir, demo_path, library, tmp_path_factory):
     demo_path("demo:qwen-image")
     with served_app(app_home(data_dir, tmp_path_factory, "batch4"), "--max-batch", "4",
-                    "--adapter-dir", str(library)) as app, \
-            app.client() as c:
-        answers: dict[int, object] = {}
+                    "--adapter-dir", str(library)) as app:
+        yield app
 
-        def post(key, body):
-            try:
-                answers[key] = c.post("/v1/images/generations", json=body, timeout=300)
-            except Exception as exc:  # noqa: BLE001: reported by the assertion below
-                answers[key] = exc
 
-        # a long job holds the worker while the four are queued, then is cancelled: they are claimed together
-        blocker = threading.Thread(target=post, args=("blocker", {"prompt": "hold", "size": "64x64", "seed": 1,
-                                                                  "num_inference_steps": 400}))
-        blocker.start()
-        wait_until(lambda: c.get("/v1/jobs", params={"status": "running"}).json()["data"], 60, "the blocker runs")
-        held = c.get("/v1/jobs", params={"status": "running"}).json()["data"][0]["id"]
-        threads = [threading.Thread(target=post, args=(i, _body(i, n))) for i, n in enumerate(names)]
-        for t in threads:
-            t.start()
-        wait_until(lambda: len(c.get("/v1/jobs", params={"status": "queued"}).json()["data"]) == 4
-                   or any(i in answers for i in range(4)), 60, "four queued jobs")
-        assert not any(i in answers for i in range(4)), {k: getattr(v, "text", v) for k, v in answers.items()}
-        assert c.delete(f"/v1/jobs/{held}").status_code == 200
-        for t in threads + [blocker]:
-            t.join(300)
+def queued_behind_a_blocker(c, bodies: list[dict], on_running=None) -> dict:
+    """POST ``bodies`` while a long job holds the worker, then cancel that job: the queued jobs are claimed
+    together. ``on_running(job_ids)`` is called once they all run. Returns {index: response}, plus
+    "ids" (index -> job id, in submission order)."""
+    answers: dict = {}
+
+    def post(key, body):
+        try:
+            answers[key] = c.post("/v1/images/generations", json=body, timeout=300)
+        except Exception as exc:  # noqa: BLE001: reported by the assertion below
+            answers[key] = exc
+
+    blocker = threading.Thread(target=post, args=("blocker", {"prompt": "hold", "size": "64x64", "seed": 1,
+                                                              "num_inference_steps": 400}))
+    blocker.start()
+    wait_until(lambda: c.get("/v1/jobs", params={"status": "running"}).json()["data"], 60, "the blocker runs")
+    held = c.get("/v1/jobs", params={"status": "running"}).json()["data"][0]["id"]
+    threads = []
+    for i, body in enumerate(bodies):  # one after the other: submission order is seq order
+        threads.append(threading.Thread(target=post, args=(i, body)))
+        threads[-1].start()
+        wait_until(lambda: len(c.get("/v1/jobs", params={"status": "queued"}).json()["data"]) == i + 1
+                   or i in answers, 60, f"{i + 1} queued jobs")
+        assert i not in answers, getattr(answers[i], "text", answers[i])
+    queued = c.get("/v1/jobs", params={"status": "queued"}).json()["data"]
+    answers["ids"] = {i: j["id"] for i, j in enumerate(sorted(queued, key=lambda j: j["created_at"]))}
+    assert c.delete(f"/v1/jobs/{held}").status_code == 200
+    if on_running is not None:
+        wait_until(lambda: len(c.get("/v1/jobs", params={"status": "running"}).json()["data"]) == len(bodies), 60,
+                   "the batch runs")
+        on_running(answers["ids"])
+    for t in threads + [blocker]:
+        t.join(300)
+    return answers
+
+
+def test_four_jobs_with_different_adapters_run_as_one_batch_over_http(data_dir, library, names, batch_server,
+                                                                    tmp_path_factory):
+    with batch_server.client() as c:
+        answers = queued_behind_a_blocker(c, [_body(i, n) for i, n in enumerate(names)])
         batched = {}
         for i in range(4):
             r = answers[i]
@@ -195,7 +214,8 @@ def test_four_jobs_with_different_adapters_run_as_one_batch_over_http(data_dir, 
         assert sorted(meta["batch"]["index"] for _, meta in batched.values()) == [0, 1, 2, 3]
         metrics = c.get("/metrics").json()
         assert metrics["jobs"]["succeeded"] == 4 and metrics["jobs"]["cancelled"] == 1
-    with served_app(app_home(data_dir, tmp_path_factory, "batch1"), "--adapter-dir", str(library)) as app, app.client() as c:  # --max-batch 1
+    with served_app(app_home(data_dir, tmp_path_factory, "batch1"), "--adapter-dir", str(library)) as app, \
+            app.client() as c:  # --max-batch 1 (the default): each request alone
         for i, n in enumerate(names):
             r = c.post("/v1/images/generations", json=_body(i, n), timeout=300)
             assert r.status_code == 200, r.text
@@ -206,3 +226,34 @@ def test_four_jobs_with_different_adapters_run_as_one_batch_over_http(data_dir, 
             print(f"http sample {i} ({n}): max |batched - alone| = {diff}/255")
             assert diff <= TOL
             assert [a["name"] for a in batched[i][1]["adapters"]] == [a["name"] for a in item["metadata"]["adapters"]]
+
+
+def test_cancelling_one_job_of_a_running_batch_drops_only_that_sample(batch_server, names):
+    bodies = [{**_body(i, n), "num_inference_steps": 30} for i, n in enumerate(names[:3])]
+    with batch_server.client() as c:
+        def cancel_second(ids):
+            wait_until(lambda: c.get(f"/v1/jobs/{ids[1]}").json()["progress"]["step"] >= 2, 120, "a few steps")
+            assert c.delete(f"/v1/jobs/{ids[1]}").status_code == 200
+
+        answers = queued_behind_a_blocker(c, bodies, on_running=cancel_second)
+        ids = answers["ids"]
+        assert answers[1].status_code == 409, answers[1].text  # the cancelled one
+        job = c.get(f"/v1/jobs/{ids[1]}").json()
+        assert job["status"] == "cancelled" and job["result"] is None
+        assert job["progress"]["step"] < 30  # it stopped being reported when it was cancelled
+        for i in (0, 2):  # the others finished in the same batch
+            assert answers[i].status_code == 200, answers[i].text
+            meta = answers[i].json()["data"][0]["metadata"]
+            assert meta["batch"]["size"] == 3 and meta["params"]["num_inference_steps"] == 30
+
+
+def test_a_failure_in_a_batch_fails_every_job_in_it_and_the_queue_goes_on(batch_server, names):
+    bad = {**_body(1, names[1]), "lora": {"name": names[1], "scale": 1e300}}  # finite, accepted; overflows
+    with batch_server.client() as c:
+        answers = queued_behind_a_blocker(c, [_body(0, names[0]), bad])
+        for i in (0, 1):
+            assert answers[i].status_code == 400, answers[i].text
+            msg = answers[i].json()["error"]["message"]
+            assert msg.startswith("the mixed-adapter batch of 2 jobs this job ran in failed: ") and "not finite" in msg
+        r = c.post("/v1/images/generations", json=_body(2, names[2]), timeout=300)  # the queue goes on
+        assert r.status_code == 200, r.text

@@ -252,6 +252,7 @@ class _Worker:
             return
         except Exception as exc:  # the batched call failed: every job in it fails with the message
             detail = self._failure(exc)
+            detail["message"] = f"the mixed-adapter batch of {len(ids)} jobs this job ran in failed: {detail['message']}"
             for job_id in ids:
                 if job_id not in reported:
                     self.conn.send(("failed", job_id, dict(detail), self.info()))
