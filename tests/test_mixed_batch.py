@@ -257,3 +257,33 @@ def test_a_failure_in_a_batch_fails_every_job_in_it_and_the_queue_goes_on(batch_
             assert msg.startswith("the mixed-adapter batch of 2 jobs this job ran in failed: ") and "not finite" in msg
         r = c.post("/v1/images/generations", json=_body(2, names[2]), timeout=300)  # the queue goes on
         assert r.status_code == 200, r.text
+
+
+def test_batch_claims_follow_the_queue_order_rules(tmp_path):
+    from backend.jobs.queue import JobQueue
+
+    q = JobQueue(tmp_path / "jobs.sqlite", max_overtake=1)
+    p = {"num_inference_steps": 4}
+    a = q.submit("generate", model="m", params={**p, "prompt": "a", "seed": 1})
+    b = q.submit("generate", model="m", params={**p, "prompt": "b", "num_inference_steps": 8})  # incompatible
+    c = q.submit("generate", model="m", params={**p, "prompt": "c", "seed": 3}, adapters=[{"name": "x"}])
+    q.submit("load_model", model="other", params={})
+    d = q.submit("generate", model="m", params={**p, "prompt": "d"})  # behind a control job: never grouped
+    first = q.claim(None)
+    assert first["id"] == a["id"]
+    key = compatible_key("m", None, first["params"])
+    more = q.claim_compatible(compatible_key, key, 3)
+    assert [j["id"] for j in more] == [c["id"]] and q.get(c["id"])["status"] == "running"
+    assert q.get(b["id"])["overtaken"] == 1 and q.get(d["id"])["status"] == "queued"
+    q.close()
+    # a job passed over max_overtake (1) times is never passed again: nothing behind it is grouped
+    q = JobQueue(tmp_path / "jobs2.sqlite", max_overtake=1)
+    a = q.submit("generate", model="m", params={**p, "prompt": "a"})
+    b = q.submit("generate", model="m", params={**p, "prompt": "b", "num_inference_steps": 8})
+    c = q.submit("generate", model="m", params={**p, "prompt": "c"})
+    e = q.submit("generate", model="m", params={**p, "prompt": "e"})
+    assert q.claim(None)["id"] == a["id"]
+    assert [j["id"] for j in q.claim_compatible(compatible_key, key, 1)] == [c["id"]]
+    assert q.get(b["id"])["overtaken"] == 1
+    assert q.claim_compatible(compatible_key, key, 3) == [] and q.get(e["id"])["status"] == "queued"
+    q.close()

@@ -113,10 +113,11 @@ class Supervisor:
             pass
 
     def cancel_running(self, job_id: str) -> None:
-        if self._batched and job_id in self.running:  # one job of a batch: the others go on
-            with self._lock:
-                self._member_cancels.append(job_id)
-            self.wake()
+        if self._batched:  # one job of a batch: the others go on (one already finished: nothing to stop)
+            if job_id in self.running:
+                with self._lock:
+                    self._member_cancels.append(job_id)
+                self.wake()
             return
         if self.current is not None and self.current["id"] == job_id:
             self._cancel.set()
