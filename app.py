@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=256, metavar="N", help="queued jobs before 429")
     serve.add_argument("--lora-prefetch", type=int, default=2, metavar="N",
                        help="while a job runs, read the adapters of the next N queued jobs into the cache (0: off)")
+    serve.add_argument("--max-batch", type=int, default=1, metavar="N",
+                       help="run up to N queued generate jobs that differ only in prompt, seed and adapters as one "
+                            "batched call when the cost model predicts it is faster (1: one job at a time)")
     limits = serve.add_argument_group("request limits (a request over one is a 400 naming the field; "
                                       "docs/security.md)")
     limits.add_argument("--max-side", type=int, metavar="PX",
@@ -293,7 +296,8 @@ def cmd_serve(args) -> int:
                     max_queue=args.max_queue, device=args.device, dtype=args.dtype, engine=args.engine,
                     ray_address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
                     offload=args.offload, offload_stream=args.offload_stream, limits=limits,
-                    pristine=args.pristine, lora_mode=args.lora_mode, lora_prefetch=args.lora_prefetch)
+                    pristine=args.pristine, lora_mode=args.lora_mode, lora_prefetch=args.lora_prefetch,
+                    max_batch=args.max_batch)
     try:
         studio.start()
         app = create_app(studio, api_key=args.api_key, login=args.auth,  # one gate for API and UI

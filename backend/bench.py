@@ -2,6 +2,10 @@
 
     python -m backend.bench lora [--switches 1000] [--threads 2] [--quick]
                                  [--only timing|disk|drift|switches|rss]
+    python -m backend.bench batch [--model demo:qwen-image] [--sizes 1,2,4,8] [--rounds 15] [--steps 4]
+
+``batch``: mixed-adapter batches (backend/batch.py) against the same requests one by one with merge
+switching and against diffusers' per-adapter calls (``BatchBench``).
 
 ``lora``: a synthetic Wan transformer of realistic shape (hidden 768, 12 heads, FFN 3072,
 4 layers, 1024 tokens, fp32) and 8 rank-32 adapters on every attention and FFN
@@ -468,6 +472,94 @@ class LoraBench:
                          + [line(r) for r in self.rows])
 
 
+class BatchBench:
+    """``batch``: throughput of N mixed-adapter requests (N = 1, 2, 4, 8; request i uses set i mod 3 of
+    {adapter A, adapter B, no adapter}) on a demo pipeline, three ways, in rotated rounds:
+
+    - batched: one ``generate_batch`` call (per-sample low-rank hooks, backend/batch.py);
+    - one by one: ``PipelineManager.generate`` per request, merge switching between them (the engine's
+      exact merge, our single-request path);
+    - diffusers: both adapters resident in the pipeline (``load_lora_weights``), one pipeline call per
+      adapter group with ``set_adapters`` (``disable_lora`` for the no-adapter group), diffusers' own way
+      of serving several adapters."""
+
+    def __init__(self, args):
+        from .lora import attach, demo_adapters
+        from .lora.request import LoRARequest
+        from .manager import PipelineManager
+
+        self.args = args
+        data_dir = args.data_dir or tempfile.mkdtemp(prefix="lora-studio-bench-")
+        library = demo_adapters.ensure(data_dir) / args.model.split(":", 1)[1]
+        files = [p for p in sorted(library.glob("*.safetensors"))][:2]
+        if len(files) < 2:
+            raise SystemExit(f"{library}: the demo library has fewer than 2 adapter files for {args.model}")
+        self.ours = PipelineManager(device="cpu", dtype="float32", data_dir=data_dir)
+        self.ours.load(args.model)
+        attach(self.ours, max_loras=4)
+        self.theirs = PipelineManager(device="cpu", dtype="float32", data_dir=data_dir)
+        self.theirs.load(args.model)
+        for k, f in enumerate(files):
+            self.theirs.pipeline.load_lora_weights(str(f), adapter_name=f"a{k}")
+        self.sets = [[(LoRARequest(f.stem, k + 1, str(f)), 1.0)] for k, f in enumerate(files)] + [[]]
+        self.files = files
+
+    def requests(self, n: int, r: int):
+        return [({"prompt": f"request {i} of round {r}", "seed": 1000 * r + i,
+                  "num_inference_steps": self.args.steps, "height": self.args.size, "width": self.args.size},
+                 i % len(self.sets)) for i in range(n)]
+
+    def batched(self, n: int, r: int):
+        from .batch import generate_batch
+
+        reqs = self.requests(n, r)
+        generate_batch(self.ours, [q for q, _ in reqs], [self.sets[k] for _, k in reqs])
+
+    def one_by_one(self, n: int, r: int):
+        for q, k in self.requests(n, r):
+            self.ours.generate(q, adapters=self.sets[k], lora_mode="merge")
+
+    def diffusers(self, n: int, r: int):
+        m = self.theirs
+        groups: dict[int, list] = {}
+        for q, k in self.requests(n, r):
+            groups.setdefault(k, []).append(m.validate(q))
+        pipe = m.pipeline
+        for k, params in groups.items():
+            if self.sets[k]:
+                pipe.enable_lora()
+                pipe.set_adapters([f"a{k}"], [1.0])
+            else:
+                pipe.disable_lora()
+            kwargs = {key: v for key, v in params[0].items() if key not in ("seed", "prompt")}
+            with torch.inference_mode():
+                pipe(prompt=[p["prompt"] for p in params], **kwargs,
+                     generator=[torch.Generator().manual_seed(p["seed"]) for p in params], output_type="pil")
+
+    def run(self) -> list[tuple]:
+        rows = []
+        for n in self.args.sizes:
+            self.batched(n, 0), self.one_by_one(n, 0), self.diffusers(n, 0)  # warm-up
+            t = _rotated({"batched": lambda r, n=n: self.batched(n, r + 1),
+                          "one_by_one": lambda r, n=n: self.one_by_one(n, r + 1),
+                          "diffusers": lambda r, n=n: self.diffusers(n, r + 1)}, self.args.rounds)
+            rows.append((n, t))
+            tput = {k: n / v[0] for k, v in t.items()}
+            print(f"N={n}: batched {_stat(t['batched'])}, one by one (merge switching) {_stat(t['one_by_one'])}, "
+                  f"diffusers per-adapter calls {_stat(t['diffusers'])}; throughput batched / one by one "
+                  f"{tput['batched'] / tput['one_by_one']:.2f}x, batched / diffusers "
+                  f"{tput['batched'] / tput['diffusers']:.2f}x (load average {_loadavg()})", flush=True)
+        return rows
+
+    def table(self, rows) -> str:
+        out = ["| N | batched (median [min-max]) | one by one, merge switching | diffusers, per-adapter calls | "
+               "batched / one by one | batched / diffusers |", "|---|---|---|---|---|---|"]
+        for n, t in rows:
+            out.append(f"| {n} | {_stat(t['batched'])} | {_stat(t['one_by_one'])} | {_stat(t['diffusers'])} | "
+                       f"{t['one_by_one'][0] / t['batched'][0]:.2f}x | {t['diffusers'][0] / t['batched'][0]:.2f}x |")
+        return "\n".join(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.bench")
     sub = parser.add_subparsers(dest="what", required=True)
@@ -488,7 +580,31 @@ def main(argv=None) -> int:
                       help="run one section")
     lora.add_argument("--quick", action="store_true",
                       help="a smoke run: width 256, 1 block, 64 tokens, 5 rounds, sweep 256,512, 50 switches")
+    batch = sub.add_parser("batch", help="mixed-adapter batches vs one by one vs diffusers' per-adapter calls")
+    batch.add_argument("--model", default="demo:qwen-image")
+    batch.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],
+                       help="batch sizes N (requests per round)")
+    batch.add_argument("--rounds", type=int, default=15, help="rotated rounds per N (median, min-max)")
+    batch.add_argument("--steps", type=int, default=4)
+    batch.add_argument("--size", type=int, default=64, help="image height and width")
+    batch.add_argument("--threads", type=int, default=1)
+    batch.add_argument("--data-dir", help="where the demo model and adapters are built (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.what == "batch":
+        torch.set_num_threads(args.threads)
+        from .manager import quiet_libraries
+
+        quiet_libraries()
+        bench = BatchBench(args)
+        print(f"{args.model}, {args.size}x{args.size}, {args.steps} steps, fp32 CPU, {args.threads} threads; "
+              f"request i uses set i mod 3 of [{bench.files[0].stem}, {bench.files[1].stem}, none]; "
+              f"{args.rounds} rotated rounds; load average at start {_loadavg()}", flush=True)
+        rows = bench.run()
+        print()
+        print(bench.table(rows))
+        print(f"times are per round of N requests; ratios are throughput (N / median time). "
+              f"load average at the end: {_loadavg()}")
+        return 0
     if args.quick:
         args.width, args.layers, args.tokens, args.rounds, args.switch_repeats = 256, 1, 64, 5, 4
         args.sweep, args.switches = [256, 512], 50

@@ -37,7 +37,7 @@ class Studio:
                  engine: str = "local", ray_address: str | None = None, replicas: int = 1,
                  gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False,
                  limits: Limits | None = None, pristine: str = "auto",
-                 lora_mode: str | None = None, lora_prefetch: int = 2):
+                 lora_mode: str | None = None, lora_prefetch: int = 2, max_batch: int = 1):
         if engine not in ENGINES:
             raise InvalidParameter(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}", param="engine")
         if engine == "ray" and (replicas < 1 or gpus_per_replica < 0):
@@ -52,6 +52,11 @@ class Studio:
             check_mode(lora_mode, "lora_mode")
         if lora_prefetch < 0:
             raise InvalidParameter(f"--lora-prefetch must be >= 0, got {lora_prefetch}", param="lora_prefetch")
+        if max_batch < 1:
+            raise InvalidParameter(f"--max-batch must be >= 1, got {max_batch}", param="max_batch")
+        if max_batch > 1 and engine == "ray":
+            raise InvalidParameter("--max-batch applies to --engine local (a Ray replica takes one job at a time)",
+                                   param="max_batch")
         plan = offload_policy.check(offload, stream=offload_stream)  # the flags, before a worker starts
         offload_policy.check_engine(plan, engine)
         self.data_dir = settings.data_dir(data_dir)
@@ -72,7 +77,7 @@ class Studio:
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
             adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]), offload=plan.mode,
             offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)}, pristine=pristine,
-            lora_mode=lora_mode, lora_prefetch=lora_prefetch)
+            lora_mode=lora_mode, lora_prefetch=lora_prefetch, max_batch=max_batch)
         self.engine = engine
         if engine == "ray":
             from .engines.ray_engine import RayEngineConfig  # imports ray: only for --engine ray

@@ -177,6 +177,43 @@ class JobQueue:
                        "WHERE seq=?", (time.time(), number, pick["seq"]))
         return self.get(pick["id"])
 
+    def claim_compatible(self, key_of, key: str, limit: int) -> list[dict]:
+        """Mark up to ``limit`` more queued generate jobs with ``key_of(model, preset, params) == key`` running
+        (a mixed-adapter batch with the job just claimed) and return them. Scanned in seq order, never past a
+        control job, nor past a job already passed over ``max_overtake`` times; each job passed over by a
+        picked one has its ``overtaken`` count raised, as the affinity order does."""
+        if limit < 1:
+            return []
+        with self._tx() as db:
+            rows = db.execute("SELECT seq, id, kind, model, params, preset, overtaken FROM jobs "
+                              "WHERE status='queued' ORDER BY seq").fetchall()
+            picked, passed = [], []
+            for row in rows:
+                if len(picked) >= limit or row["kind"] in BARRIER_KINDS:
+                    break
+                try:
+                    params = json.loads(row["params"])
+                except (TypeError, ValueError):
+                    params = None
+                if isinstance(params, dict) and row["kind"] == "generate" and \
+                        key_of(row["model"], row["preset"], params) == key:
+                    picked.append(row)
+                    continue
+                if row["overtaken"] >= self.max_overtake:
+                    break
+                passed.append(row)
+            if not picked:
+                return []
+            last = picked[-1]["seq"]
+            for row in passed:
+                if row["seq"] < last:
+                    db.execute("UPDATE jobs SET overtaken = overtaken + 1 WHERE seq=?", (row["seq"],))
+            number = db.execute("SELECT COALESCE(MAX(dispatch_no), 0) + 1 FROM jobs").fetchone()[0]
+            for k, row in enumerate(picked):
+                db.execute("UPDATE jobs SET status='running', started_at=?, step=0, total=0, dispatch_no=? "
+                           "WHERE seq=?", (time.time(), number + k, row["seq"]))
+        return [self.get(row["id"]) for row in picked]
+
     def progress(self, job_id: str, step: int, total: int) -> None:
         with self._tx() as db:
             db.execute("UPDATE jobs SET step=?, total=? WHERE id=? AND status='running'", (step, total, job_id))

@@ -52,7 +52,10 @@ class Supervisor:
         self.conn = None
         self._hints = None  # the prefetch hint pipe to the worker (backend/jobs/prefetch.py)
         self._hinted = None
-        self.current: dict | None = None  # the job the worker is running
+        self.current: dict | None = None  # the job the worker is running (the first of a batch)
+        self.running: dict[str, dict] = {}  # every job of the current dispatch (several: a mixed-adapter batch)
+        self._batched = False  # the current dispatch is a batch ({"op": "batch"})
+        self._member_cancels: list[str] = []  # jobs of the running batch to cancel one by one
         self.group: str | None = None  # what the worker has set up (queue.group_key)
         self.info: dict = {}  # the worker's last report (model, spec, cache, memory)
         self.fatal: str | None = None
@@ -110,6 +113,12 @@ class Supervisor:
             pass
 
     def cancel_running(self, job_id: str) -> None:
+        if self._batched:  # one job of a batch: the others go on (one already finished: nothing to stop)
+            if job_id in self.running:
+                with self._lock:
+                    self._member_cancels.append(job_id)
+                self.wake()
+            return
         if self.current is not None and self.current["id"] == job_id:
             self._cancel.set()
 
@@ -155,6 +164,7 @@ class Supervisor:
             self._dispatch()
         if self.current is not None:
             self._send_hints()
+            self._send_member_cancels()
         ready = wait([self.conn, self.proc.sentinel, self._wake_r], timeout=1.0)
         if self._wake_r in ready:
             while self._wake_r.poll():
@@ -193,14 +203,42 @@ class Supervisor:
         job = self.queue.claim(self.group)
         if job is None:
             return
+        jobs = [job] + self._batch_with(job)
         self._cancel.clear()
-        self.current = job
+        self.current, self.running, self._batched = job, {j["id"]: j for j in jobs}, len(jobs) > 1
         self._job_started, self._timed_out = time.monotonic(), None
         # the merge-or-unfused policy shares a merge among the queued jobs with the same setup
-        job["queued_same"] = self.queue.count_queued(group_key(job["model"], job["adapters"], job["preset"]))
+        for j in jobs:
+            j["queued_same"] = self.queue.count_queued(group_key(j["model"], j["adapters"], j["preset"]))
+        if self._batched:
+            self.conn.send({"op": "batch", "jobs": jobs})
+            for j in jobs:  # cancelled between claim and send
+                if self.queue.cancel_requested(j["id"]):
+                    self.cancel_running(j["id"])
+            return
         self.conn.send({"op": "job", "job": job})
         if self.queue.cancel_requested(job["id"]):  # cancelled between claim and send
             self._cancel.set()
+
+    def _batch_with(self, job: dict) -> list[dict]:
+        """--max-batch N: up to N-1 more queued jobs that may share one batched call with ``job``
+        (backend/batch.py: same model, preset and request but prompt, seed and adapters)."""
+        size = int(getattr(self.config, "max_batch", 1) or 1)
+        if size < 2 or job["kind"] != "generate":
+            return []
+        from ..batch import compatible_key
+
+        key = compatible_key(job["model"], job["preset"], job["params"])
+        return [] if key is None else self.queue.claim_compatible(compatible_key, key, size - 1)
+
+    def _send_member_cancels(self) -> None:
+        with self._lock:
+            ids, self._member_cancels = self._member_cancels, []
+        for job_id in ids:
+            try:
+                self.conn.send({"op": "cancel", "id": job_id})
+            except (OSError, ValueError):
+                pass
 
     def _send_hints(self) -> None:
         """Tell the worker's prefetch thread the adapters of the next queued jobs, when that list changed."""
@@ -236,17 +274,24 @@ class Supervisor:
             elif kind == "failed":
                 detail = dict(msg[2])
                 self.queue.finish(job_id, "failed", error=detail.pop("message"), error_detail=detail)
-            elif self._timed_out == job_id and not self.queue.cancel_requested(job_id):
+            elif self._timed_out is not None and self._timed_out == (self.current or {}).get("id") \
+                    and not self.queue.cancel_requested(job_id):
                 self.queue.finish(job_id, "failed", error=self._timeout_reason(),
                                   error_detail={"status": 504, "type": "timeout", "param": "job_timeout"})
             else:
                 self.queue.finish(job_id, "cancelled", error="cancelled while running")
-            job = self.current
-            if job is not None and job["id"] == job_id:
-                self.group = group_key(info.get("model"), job["adapters"], info.get("preset"))
-                if job["kind"] in BARRIER_KINDS:
-                    self._remember_state(info)
-            self.current = None
+            finished = self.running.pop(job_id, None) or self.current
+            if not self.running:  # the dispatch (one job, or every job of a batch) is over
+                job = self.current
+                if job is not None and finished is not None:
+                    batched = ((msg[2] or {}).get("metadata") or {}).get("batch", {}).get("size", 1) > 1 \
+                        if kind == "done" else self._batched
+                    # a batched call leaves nothing merged (its hooks are off); one by one, the last set is
+                    self.group = group_key(info.get("model"), [] if batched else finished["adapters"],
+                                           info.get("preset"))
+                    if job["kind"] in BARRIER_KINDS:
+                        self._remember_state(info)
+                self.current, self._batched = None, False
             self._failures_in_a_row = 0
 
     def _on_death(self) -> None:
@@ -259,18 +304,20 @@ class Supervisor:
         code = self.proc.exitcode
         reason = _exit_reason(code)
         self.deaths.append({"at": time.time(), "exitcode": code, "reason": reason,
-                            "job": self.current["id"] if self.current else None})
-        if self.current is not None and self._timed_out == self.current["id"]:
-            self.queue.finish(self.current["id"], "failed",
-                              error=f"{self._timeout_reason()}; it did not stop, so the worker was restarted",
-                              error_detail={"status": 504, "type": "timeout", "param": "job_timeout"})
-            self.current = None
-        if self.current is not None:
-            self.queue.finish(self.current["id"], "failed",
-                              error=f"the worker process died ({reason}) while running this job; "
-                                    "it was restarted",
-                              error_detail={"status": 500, "type": "server_error", "param": None})
-            self.current = None
+                            "job": self.current["id"] if self.current else None,
+                            **({"batch": list(self.running)} if self._batched else {})})
+        unfinished = list(self.running) or ([self.current["id"]] if self.current is not None else [])
+        for job_id in unfinished:  # every job of the dispatch (a batch fails as one)
+            if self.current is not None and self._timed_out == self.current["id"]:
+                self.queue.finish(job_id, "failed",
+                                  error=f"{self._timeout_reason()}; it did not stop, so the worker was restarted",
+                                  error_detail={"status": 504, "type": "timeout", "param": "job_timeout"})
+            else:
+                self.queue.finish(job_id, "failed",
+                                  error=f"the worker process died ({reason}) while running this job; "
+                                        "it was restarted",
+                                  error_detail={"status": 500, "type": "server_error", "param": None})
+        self.current, self.running, self._batched = None, {}, False
         self.group = None
         self.conn.close()
         if self._stop.is_set():

@@ -5,6 +5,7 @@ locks inherited from the server) and talks to the supervisor over one Pipe:
 
     supervisor -> worker   {"op": "job", "job": {...}} | {"op": "unload_adapter", "name"}
                            | {"op": "pin", "name", "path", "int_id", "pinned"} | {"op": "stop"}
+                           | {"op": "batch", "jobs": [...]} | {"op": "cancel", "id"} (one job of a batch)
     worker -> supervisor   ("ready", info) | ("progress", id, step, total)
                            | ("done", id, result, info) | ("failed", id, error, info)
                            | ("cancelled", id, info) | ("fatal", message)
@@ -43,6 +44,7 @@ class WorkerConfig:
     env: dict = field(default_factory=dict)
     lora_mode: str | None = None  # auto | merge | unfused (None: auto on CUDA, merge on CPU)
     lora_prefetch: int = 2  # upcoming queued jobs whose adapters are read while a job runs (0: off)
+    max_batch: int = 1  # compatible queued generate jobs run as one mixed-adapter batch (backend/batch.py)
 
 
 class _Worker:
@@ -56,6 +58,8 @@ class _Worker:
         self.preset: str | None = None
         self.step_times: list[float] = []
         self.prefetcher = None  # backend/jobs/prefetch.py: started by main() when the supervisor sends hints
+        self._pending: list[dict] = []  # messages read while a batch ran (polled for its members' cancels)
+        self._cancelled: set[str] = set()  # members of the running batch cancelled one by one
 
     # -- model state -----------------------------------------------------------------------------
     def load(self, model_id: str) -> None:
@@ -131,12 +135,12 @@ class _Worker:
         return out
 
     # -- jobs ------------------------------------------------------------------------------------
-    def run_job(self, job: dict) -> None:
+    def run_job(self, job: dict, cancel=None) -> None:
         from backend.errors import Cancelled, StudioError
 
         job_id = job["id"]
         try:
-            result = self._execute(job)
+            result = self._execute(job, cancel)
         except Cancelled:
             self.conn.send(("cancelled", job_id, self.info()))
         except StudioError as exc:
@@ -159,7 +163,7 @@ class _Worker:
         else:
             self.conn.send(("done", job_id, result, self.info()))
 
-    def _execute(self, job: dict) -> dict | None:
+    def _execute(self, job: dict, cancel=None) -> dict | None:
         kind = job["kind"]
         if job.get("model") and job["model"] != self.manager.model_id:
             self.load(job["model"])
@@ -173,9 +177,9 @@ class _Worker:
             from backend.errors import StudioError
 
             raise StudioError(f"job kind {kind!r} is not supported by this worker", param="kind")
-        return self._generate(job)
+        return self._generate(job, cancel)
 
-    def _generate(self, job: dict) -> dict:
+    def _generate(self, job: dict, cancel=None) -> dict:
         from backend.lora.request import LoRARequest
         from backend.outputs import save_result
 
@@ -194,15 +198,159 @@ class _Worker:
             self.conn.send(("progress", job["id"], step, total))
 
         reads = self._disk_reads({a[0].lora_int_id for a in adapters})  # waits for a read in flight
-        result = self.manager.generate(dict(job["params"]), adapters=adapters, on_step=on_step, cancel=self.cancel,
+        result = self.manager.generate(dict(job["params"]), adapters=adapters, on_step=on_step,
+                                       cancel=self.cancel if cancel is None else cancel,
                                        queued_same=int(job.get("queued_same") or 0))
         result.metadata["job_id"] = job["id"]
+        if job.get("batch_decision"):  # formed as a batch, run alone by the cost model's choice
+            result.metadata["batch"] = {"size": 1, "index": 0, "decision": job["batch_decision"]}
         if self.engine is not None:  # this job's own adapter reads from disk (0 when prefetch had them)
             result.metadata["lora_disk_reads"] = self._disk_reads(None) - reads
         if first_step:
             result.metadata["first_step_s"] = round(first_step[0], 4)
         path = save_result(result, data_dir=self.config.data_dir)
         return {"path": str(path), "metadata": result.metadata}
+
+    # -- mixed-adapter batches (backend/batch.py) --------------------------------------------------
+    def run_batch(self, jobs: list[dict]) -> None:
+        """Compatible generate jobs (same model, preset and request but prompt, seed and adapters): one
+        batched pipeline call when the cost model predicts it is faster, else one by one. Each job gets its
+        own progress, result file, metadata (``batch``) and outcome message; a job cancelled mid-batch is
+        reported cancelled at the next step and its sample dropped from the outputs (the others go on);
+        a failure of the batched call fails every job in it with that message."""
+        from backend.errors import Cancelled
+
+        self._cancelled = set()
+        ids = [j["id"] for j in jobs]
+        decision = self._batch_decision(jobs)
+        if decision["mode"] != "batched":
+            for job in jobs:
+                if self._take_cancels(ids) and job["id"] in self._cancelled:
+                    self.conn.send(("cancelled", job["id"], self.info()))
+                    continue
+                self.run_job({**job, "batch_decision": decision}, cancel=_MemberCancel(self, [job["id"]]))
+            return
+        reported: set[str] = set()
+
+        def live() -> list[str]:
+            return [i for i in ids if i not in self._cancelled]
+
+        def cancel() -> bool:
+            self._take_cancels(ids)
+            for job_id in ids:  # each member cancelled is reported at once; its sample is dropped at the end
+                if job_id in self._cancelled and job_id not in reported:
+                    reported.add(job_id)
+                    self.conn.send(("cancelled", job_id, self.info()))
+            return self.cancel.is_set() or not live()
+
+        try:
+            results = self._batched(jobs, decision, cancel)
+        except Cancelled:
+            for job_id in ids:
+                if job_id not in reported:
+                    self.conn.send(("cancelled", job_id, self.info()))
+            return
+        except Exception as exc:  # the batched call failed: every job in it fails with the message
+            detail = self._failure(exc)
+            detail["message"] = f"the mixed-adapter batch of {len(ids)} jobs this job ran in failed: {detail['message']}"
+            for job_id in ids:
+                if job_id not in reported:
+                    self.conn.send(("failed", job_id, dict(detail), self.info()))
+            return
+        cancel()
+        for job, result in zip(jobs, results):
+            if job["id"] in reported:
+                continue
+            try:
+                path = self._save(result)
+            except Exception as exc:
+                self.conn.send(("failed", job["id"], self._failure(exc), self.info()))
+            else:
+                self.conn.send(("done", job["id"], {"path": str(path), "metadata": result.metadata}, self.info()))
+
+    def _batch_decision(self, jobs: list[dict]) -> dict:
+        if self.manager.minimax is not None:
+            return {"mode": "sequential", "reason": f"{self.manager.model_id} has its own runtime"}
+        if any(j.get("model") and j["model"] != self.manager.model_id for j in jobs):
+            return {"mode": "sequential", "reason": "a model switch comes first"}
+        if any(not isinstance(a.get("scale", 1.0), (int, float)) for j in jobs for a in j.get("adapters") or []):
+            # a step schedule / block weights (backend/lora/schedule.py) runs on its own hooks, one request each
+            return {"mode": "sequential", "reason": "a scheduled or per-block scale runs alone"}
+        if self.engine is None:
+            if any(j.get("adapters") for j in jobs):
+                return {"mode": "sequential", "reason": "no LoRA engine (distill backend)"}
+            return {"mode": "batched", "reason": "base model only"}
+        try:
+            sets = [self._adapters(j) for j in jobs]
+            steps = self.manager.validate(dict(jobs[0]["params"])).get("num_inference_steps")
+            return self.engine.unfused.decide_batch(sets, steps=steps)
+        except Exception as exc:  # an adapter or a field is refused: each job alone reports its own error
+            return {"mode": "sequential", "reason": f"checked one by one ({getattr(exc, 'message', exc)})"}
+
+    @staticmethod
+    def _adapters(job: dict) -> list:
+        from backend.lora.request import LoRARequest
+
+        return [(LoRARequest(a["name"], int(a["int_id"]), a["path"]), a.get("scale", 1.0))
+                for a in job.get("adapters") or []]
+
+    def _batched(self, jobs: list[dict], decision: dict, cancel) -> list:
+        from backend.batch import generate_batch
+
+        started = time.perf_counter()
+        last, first_step = [started], []
+
+        def on_step(step: int, total: int) -> None:
+            now = time.perf_counter()
+            if not first_step:
+                first_step.append(now - started)
+            last[0] = now
+            for job in jobs:
+                if job["id"] not in self._cancelled:
+                    self.conn.send(("progress", job["id"], step, total))
+
+        self._disk_reads({a[0].lora_int_id for j in jobs for a in self._adapters(j)})
+        results = generate_batch(self.manager, [dict(j["params"]) for j in jobs], [self._adapters(j) for j in jobs],
+                                 on_step=on_step, cancel=cancel)
+        for job, result in zip(jobs, results):
+            result.metadata["job_id"] = job["id"]
+            result.metadata["batch"] = {**result.metadata["batch"], "decision": decision}
+            if first_step:
+                result.metadata["first_step_s"] = round(first_step[0], 4)
+        return results
+
+    def _save(self, result):
+        from backend.outputs import save_result
+
+        return save_result(result, data_dir=self.config.data_dir)
+
+    def _failure(self, exc: Exception) -> dict:
+        """The wire detail of a job failure (as ``run_job`` reports it)."""
+        from backend.errors import StudioError, storage_full
+
+        if isinstance(exc, StudioError):
+            return {"message": exc.message, "status": exc.http_status, "type": exc.kind, "param": exc.param}
+        if storage_full(exc):
+            return {"message": f"no room to write the output under {self.config.data_dir or 'the data dir'}"
+                               f" ({exc.strerror})", "status": 507, "type": "insufficient_storage", "param": None}
+        traceback.print_exc(file=sys.stderr)
+        text = str(exc).strip().splitlines()
+        return {"message": f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": "), "status": 500,
+                "type": "server_error", "param": None}
+
+    def _take_cancels(self, ids) -> bool:
+        """Read the messages the supervisor sent while a batch runs: a member's cancel is noted; anything
+        else waits for the serve loop. True when some member of ``ids`` is cancelled."""
+        try:
+            while self.conn.poll():
+                msg = self.conn.recv()
+                if msg.get("op") == "cancel":
+                    self._cancelled.add(msg.get("id"))
+                else:
+                    self._pending.append(msg)
+        except (EOFError, OSError):
+            pass
+        return any(i in self._cancelled for i in ids)
 
     def _disk_reads(self, protect) -> int:
         """Adapter files read from disk by jobs (not by prefetch) so far; ``protect``: the ids the
@@ -220,7 +368,7 @@ class _Worker:
     def serve(self) -> None:
         while True:
             try:
-                msg = self.conn.recv()
+                msg = self._pending.pop(0) if self._pending else self.conn.recv()
             except (EOFError, OSError):  # the supervisor is gone: nothing left to do
                 return
             op = msg.get("op")
@@ -228,6 +376,8 @@ class _Worker:
                 return
             if op == "job":
                 self.run_job(msg["job"])
+            elif op == "batch":
+                self.run_batch(msg["jobs"])
             elif op in ("unload_adapter", "pin") and self.engine is not None:
                 try:
                     self._cache_op(msg)
@@ -244,6 +394,17 @@ class _Worker:
             self.engine.load(LoRARequest(msg["name"], int(msg["int_id"]), msg["path"]), pin=True)
         else:
             self.engine.unpin(int(msg["int_id"]))
+
+
+class _MemberCancel:
+    """``cancel`` for one job of a batch run one by one: the shared Event (timeout, stop) or its own cancel."""
+
+    def __init__(self, worker: _Worker, ids: list[str]):
+        self.worker, self.ids = worker, ids
+
+    def is_set(self) -> bool:
+        self.worker._take_cancels(self.ids)
+        return self.worker.cancel.is_set() or all(i in self.worker._cancelled for i in self.ids)
 
 
 def main(conn, cancel, config: WorkerConfig, hints=None) -> None:

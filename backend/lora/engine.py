@@ -275,24 +275,9 @@ class LoRAEngine:
         ``steps``, ``mode`` ("auto" | "merge" | "unfused") and ``queued_same`` feed the
         merge-or-unfused policy (``self.unfused.last_decision`` says what it chose).
         """
-        adapters = list(adapters or [])
         with self._lock:
             self.counters["activations"] += 1
-            combined: dict[Identity, list] = {}  # identity -> [entry, {component: scale}, request]
-            for request, scale in adapters:
-                if not isinstance(request, LoRARequest):
-                    raise InvalidParameter(f"expected a LoRARequest, got {type(request).__name__}",
-                                           param="lora_request")
-                entry = self.load(request)
-                scales = self._component_scales(entry, scale, steps)
-                slot = combined.setdefault(identity_of(entry), [entry, {}, request])
-                for comp, value in scales.items():
-                    slot[1][comp] = _summed(slot[1].get(comp, 0.0), value, entry.name)
-            meta = [self._meta(e, s, r, steps) for e, s, r in combined.values() if any(v != 0.0 for v in s.values())]
-            loaded = sorted(((ident, e, {c: v for c, v in s.items() if v != 0.0})
-                             for ident, (e, s, _) in combined.items() if any(v != 0.0 for v in s.values())),
-                            key=lambda item: item[0])
-            key = tuple((ident, tuple(sorted(s.items()))) for ident, _, s in loaded)
+            loaded, key, meta = self.canonical(adapters, steps)
             # -- merge or unfused (backend/lora/unfused.py): served unfused = hooks, no weight write --
             if self.unfused.serve(loaded, key, meta, steps=steps, mode=mode, queued_same=queued_same):
                 return [dict(m) for m in self._active_meta]
@@ -311,6 +296,29 @@ class LoRAEngine:
             self._active_meta = meta
             self.counters["switches"] += 1
             return [dict(m) for m in self._active_meta]
+
+    def canonical(self, adapters, steps=None) -> tuple[list, tuple, list[dict]]:
+        """``(loaded, key, meta)`` of a request's adapters (list of (LoRARequest, scale)), loaded and
+        checked: ``loaded`` is [(identity, entry, {component: scale})] sorted by identity (duplicates
+        summed, zero scales dropped), ``key`` the activation key, ``meta`` the rows in request order."""
+        adapters = list(adapters or [])
+        with self._lock:
+            combined: dict[Identity, list] = {}  # identity -> [entry, {component: scale}, request]
+            for request, scale in adapters:
+                if not isinstance(request, LoRARequest):
+                    raise InvalidParameter(f"expected a LoRARequest, got {type(request).__name__}",
+                                           param="lora_request")
+                entry = self.load(request)
+                scales = self._component_scales(entry, scale, steps)
+                slot = combined.setdefault(identity_of(entry), [entry, {}, request])
+                for comp, value in scales.items():
+                    slot[1][comp] = _summed(slot[1].get(comp, 0.0), value, entry.name)
+            meta = [self._meta(e, s, r, steps) for e, s, r in combined.values() if any(v != 0.0 for v in s.values())]
+            loaded = sorted(((ident, e, {c: v for c, v in s.items() if v != 0.0})
+                             for ident, (e, s, _) in combined.items() if any(v != 0.0 for v in s.values())),
+                            key=lambda item: item[0])
+            key = tuple((ident, tuple(sorted(s.items()))) for ident, _, s in loaded)
+            return loaded, key, meta
 
     def deactivate(self) -> None:
         self.activate([])

@@ -123,3 +123,57 @@ def decide(i: PolicyInputs, requested: str = "auto") -> Decision:
     if u < m:
         return Decision("unfused", requested, f"merge {m * 1e3:.2f} ms > unfused {u * 1e3:.2f} ms", m, u, i)
     return Decision("merged", requested, f"merge {m * 1e3:.2f} ms <= unfused {u * 1e3:.2f} ms", m, u, i)
+
+
+# -- mixed-adapter batches: one batched call or the jobs one by one ------------------------------------
+# Per-sample cost of a batched denoiser step over a lone one (step_s(n) = n * step_s * batch_eff), before
+# any measurement: a CPU forward is compute-bound (no gain from batching), a GPU one is launch/memory
+# bound at small sizes. Measured batches replace these (UnfusedServing keeps the observed ratio per n).
+BATCH_EFF_DEFAULTS = {"cpu": 1.0, "cuda": 0.5}
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    jobs: list                    # each job's single-request PolicyInputs (None: the job has no adapters)
+    steps: int
+    step_s: float | None          # measured seconds of one lone base step
+    batch_eff: float = 1.0        # per-sample step cost in a batch of this size / a lone step (measured or default)
+    forwards: float = 1.0
+    hook_s: float = 30e-6
+    hooked_layers: int = 0        # layers the batch hooks (union of every set's layers, per component)
+
+
+def batch_costs(b: BatchInputs) -> tuple[float, float] | None:
+    """(sequential_s, batched_s) predicted for the jobs, or None without a measured step time.
+
+    sequential: each job alone, with its own cheapest way to apply its set (``decide``'s merge or unfused,
+    ``min(merge_s, unfused_s)``) plus its base steps; batched: the base steps of n samples at
+    ``batch_eff`` each, every job's low-rank FLOPs, and one batched hook per union layer per forward."""
+    if b.step_s is None:
+        return None
+    n = len(b.jobs)
+    sequential = n * b.steps * b.step_s
+    lowrank = 0.0
+    for i in b.jobs:
+        if i is None:
+            continue
+        m = merge_cost(i)
+        u = unfused_cost(i)
+        sequential += m if u is None else min(m, u)
+        lowrank += i.ratio
+    batched = b.steps * (n * b.step_s * b.batch_eff + lowrank * b.step_s + b.forwards * b.hooked_layers * b.hook_s)
+    return sequential, batched
+
+
+def decide_batch(b: BatchInputs) -> dict:
+    """``{"mode": "batched" | "sequential", "reason", "predicted_sequential_s", "predicted_batched_s"}``:
+    one pipeline call for the jobs, or each alone (its own merge-or-unfused ``decide``)."""
+    costs = batch_costs(b)
+    if costs is None:
+        return {"mode": "batched", "reason": "no step time measured yet: the operator's --max-batch"}
+    seq, bat = costs
+    out = {"predicted_sequential_s": round(seq, 6), "predicted_batched_s": round(bat, 6),
+           "batch_eff": round(b.batch_eff, 4)}
+    if bat < seq:
+        return {"mode": "batched", "reason": f"one by one {seq * 1e3:.2f} ms > batched {bat * 1e3:.2f} ms", **out}
+    return {"mode": "sequential", "reason": f"one by one {seq * 1e3:.2f} ms <= batched {bat * 1e3:.2f} ms", **out}

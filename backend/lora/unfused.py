@@ -23,13 +23,15 @@ so both modes refuse exactly the same adapters.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from .engine import _LayerWriteFailed
-from .policy import DEVICE_DEFAULTS, Decision, PolicyInputs, check_mode, decide
+from .policy import (BATCH_EFF_DEFAULTS, DEVICE_DEFAULTS, BatchInputs, Decision, PolicyInputs, check_mode, decide,
+                     decide_batch)
 
 
 class _Hook:
@@ -73,6 +75,63 @@ class _ScheduledHook:
             bc = self.table.index_select(0, self.bias_slot).mul(self.bias_weight)
             out = out + (bc @ self.bias).to(out.dtype)
         return out
+class _BatchHook:
+    """Mixed-adapter batches (BGMV with torch ops): sample ``i`` of the batch gets its own set's low-rank
+    path, ``out_i + alpha_k B_k (A_k x_i) + bias_k`` with ``k = sets[i]``.
+
+    ``factors`` holds one ``(b, a, alpha, bias)`` per distinct adapter set on this layer (``None``: the set
+    does not touch it, the sample gets the base output). They are stacked once, zero-padded to the largest
+    rank (``A`` (S, R, in), ``B`` (S, out, R)); a forward gathers each row's factors by its set index and
+    runs two batched GEMMs. A padded rank column is an exact zero, so each sample's delta is its own set's
+    ``alpha B(Ax)`` (as the single-request hook computes it, up to summation order). Rows map to samples
+    by ``row % n``: the pipeline's batch is the n prompts, or 2n with classifier-free guidance stacked as
+    [negative..., positive...] (diffusers' order); two separate CFG forwards of n rows each map the same."""
+
+    __slots__ = ("a", "b", "alpha", "bias", "sets", "n", "any_bias", "_rows")
+
+    def __init__(self, factors: list, sets: list[int]):
+        live = [f for f in factors if f is not None]
+        ref = live[0][1]
+        rank = max(f[1].shape[0] for f in live)
+        in_f, out_f = ref.shape[1], live[0][0].shape[0]
+        count = len(factors) + 1  # the last slot: all zeros (samples whose set does not touch this layer)
+        self.a = ref.new_zeros((count, rank, in_f))
+        self.b = ref.new_zeros((count, out_f, rank))
+        self.alpha = torch.zeros(count, dtype=torch.float32, device=ref.device)  # never rounded to bf16
+        self.bias = ref.new_zeros((count, out_f))
+        self.any_bias = False
+        for k, f in enumerate(factors):
+            if f is None:
+                continue
+            b, a, alpha, bias = f
+            self.a[k, :a.shape[0]] = a
+            self.b[k, :, :b.shape[1]] = b
+            self.alpha[k] = alpha
+            if bias is not None:
+                self.bias[k] = bias
+                self.any_bias = True
+        empty = count - 1
+        self.sets = torch.tensor([empty if factors[k] is None else k for k in sets], device=ref.device)
+        self.n = len(sets)
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __call__(self, module, args, kwargs, output):
+        x = args[0] if args else kwargs["input"]
+        rows = x.shape[0]
+        if rows % self.n:
+            raise RuntimeError(f"mixed-adapter batch: a layer got {rows} rows for a batch of {self.n} samples")
+        idx = self._rows.get(rows)
+        if idx is None:  # row r belongs to sample r % n
+            idx = self._rows[rows] = self.sets[torch.arange(rows, device=self.sets.device) % self.n]
+        a, b, alpha, bias = self.a[idx], self.b[idx], self.alpha[idx], self.bias[idx]  # the gather
+        if x.dtype != a.dtype:
+            a, b, bias = a.to(x.dtype), b.to(x.dtype), bias.to(x.dtype)
+        flat = x.reshape(rows, -1, x.shape[-1])
+        delta = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2))
+        delta = (delta.float() * alpha.view(rows, 1, 1)).to(x.dtype)
+        if self.any_bias:
+            delta = delta + bias.view(rows, 1, -1)
+        return output + delta.reshape(output.shape)
 
 
 class _ForwardCounter:
@@ -114,7 +173,9 @@ class UnfusedServing:
             if not isinstance(getattr(d, "_lora_studio_forwards", None), _ForwardCounter):
                 d._lora_studio_forwards = _ForwardCounter()  # counts denoiser forwards (2 per step with CFG)
                 d.register_forward_pre_hook(d._lora_studio_forwards)
-        self.counters = {"merged": 0, "unfused": 0, "hooks_installed": 0}
+        self.counters = {"merged": 0, "unfused": 0, "hooks_installed": 0, "batches": 0}
+        self._kind = kind
+        self.batch_step_s: dict[int, float] = {}  # batch size -> measured seconds per step (mixed-adapter batches)
         self.last_merge: dict | None = None
 
     # -- the policy -----------------------------------------------------------------------------------
@@ -305,6 +366,81 @@ class UnfusedServing:
             self.engine._active_key, self.engine._active_meta = (), []
         self._key = None
 
+    # -- mixed-adapter batches -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def batch(self, adapter_sets: list):
+        """Serve one batched pipeline call whose sample ``i`` uses ``adapter_sets[i]`` (list of
+        (LoRARequest, scale), [] for the base model): per-sample hooks (``_BatchHook``) on every layer
+        any set touches, no weight written (layers an earlier request left merged are restored first).
+        Yields each sample's metadata rows (``mode": "unfused"``); the hooks come off on exit.
+        Every set goes through the same load, fit, scale and finite checks as ``activate``."""
+        engine = self.engine
+        with engine._lock:
+            canon = [engine.canonical(s) for s in adapter_sets]
+            distinct: dict[tuple, int] = {}
+            for _, key, _ in canon:
+                distinct.setdefault(key, len(distinct))
+            loaded_of = {key: loaded for loaded, key, _ in canon}
+            sets = [distinct[key] for _, key, _ in canon]
+            entries = {ident: e for loaded, _, _ in canon for ident, e, _ in loaded}
+            plans = {key: engine._plan(loaded_of[key]) for key in distinct}
+            factors = engine._device_factors(entries)
+            targets = sorted({t for plan in plans.values() for t in plan})
+            try:  # every layer's factors first (and the finite checks): nothing is touched if one is refused
+                hooks = []
+                for comp, module in targets:
+                    per_set = [engine._unfused_factors(comp, module, engine._contributions(
+                                   plans[key], (comp, module), entries, factors))
+                               if (comp, module) in plans[key] else None for key in distinct]
+                    hooks.append(((comp, module), _BatchHook(per_set, sets)))
+            except _LayerWriteFailed as failed:
+                self._remove()
+                engine.restore_base()
+                engine._active_key, engine._active_meta = (), []
+                raise engine._refusal(failed) from None
+            self._remove()
+            engine.restore_base()
+            self._install(hooks)
+            self.counters["batches"] += 1
+            engine._active_key, engine._active_meta = ("batch",) + tuple(distinct), []
+            self._key = self._last_key = None
+            self.last_decision = None
+            try:
+                yield [[{**m, "mode": "unfused"} for m in meta] for _, _, meta in canon]
+            finally:
+                for handle in self._handles:
+                    handle.remove()
+                self._handles = []
+                engine._active_key, engine._active_meta = (), []
+
+    def decide_batch(self, adapter_sets: list, *, steps) -> dict:
+        """Batch these jobs' sets in one call, or run them one by one? (``policy.decide_batch``: each job's
+        own single-request inputs, the measured lone step time and the measured batch efficiency)."""
+        engine = self.engine
+        with engine._lock:
+            jobs, union = [], {}
+            for adapters in adapter_sets:
+                loaded, _, _ = engine.canonical(adapters)
+                plan = engine._plan(loaded)
+                jobs.append(self.inputs(plan, {i: e for i, e, _ in loaded}, steps=steps) if plan else None)
+                for comp, module in plan:
+                    union.setdefault(comp, set()).add(module)
+        n = len(adapter_sets)
+        eff = self.batch_step_s.get(n)
+        eff = eff / (n * self.step_s) if eff is not None and self.step_s else \
+            BATCH_EFF_DEFAULTS.get(self._kind, 1.0)
+        return decide_batch(BatchInputs(jobs=jobs, steps=int(steps or 1), step_s=self.step_s, batch_eff=eff,
+                                        forwards=self.forwards, hook_s=float(self.config["hook_s"]),
+                                        hooked_layers=max((len(v) for v in union.values()), default=0)))
+
+    def observe_batch(self, seconds: float, steps, n: int) -> None:
+        """A batch of ``n`` took ``seconds`` for ``steps``: its step time (halved EMA) gives ``batch_eff``."""
+        if not steps or steps <= 0 or seconds <= 0 or n < 2:
+            return
+        per_step = seconds / steps
+        old = self.batch_step_s.get(n)
+        self.batch_step_s[n] = per_step if old is None else 0.5 * old + 0.5 * per_step
+
     @property
     def active(self) -> bool:
         return bool(self._handles)
@@ -315,4 +451,5 @@ class UnfusedServing:
                 "step_s": self.step_s, "forwards_per_step": self.forwards,
                 "bandwidth": self.config["bandwidth"], "fixed_s": self.config["fixed_s"],
                 "hook_s": self.config["hook_s"], "last_merge": self.last_merge,
+                "batch_step_s": {str(n): v for n, v in sorted(self.batch_step_s.items())},
                 "last_decision": self.last_decision.as_dict() if self.last_decision else None}
