@@ -52,6 +52,7 @@ class PolicyInputs:
     forwards: float = 1.0         # denoiser forwards per step
     queued_same: int = 0          # queued jobs with the same adapter set (run next by affinity)
     repeats: int = 0              # consecutive earlier requests with the same set
+    quantized: str = ""           # the base's quantized storage ("fp8 (...)", "gguf (Q8_0)"): unfused only
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,16 @@ def unfused_cost(i: PolicyInputs) -> float | None:
 
 
 def decide(i: PolicyInputs, requested: str = "auto") -> Decision:
-    """The mode for one request (see the module docstring for the formula)."""
+    """The mode for one request (see the module docstring for the formula). A quantized base is served
+    unfused whatever the numbers (a merge would write into fp8/GGUF storage); ``merge`` is refused."""
+    if i.quantized:
+        if requested == "merge":
+            from ..errors import InvalidParameter
+
+            raise InvalidParameter(f"lora_mode=merge: the base is quantized ({i.quantized}); adapters run unfused "
+                                   "on it (a merge would write into quantized storage and round the adapter away)",
+                                   param="lora_mode")
+        return Decision("unfused", requested, f"quantized base ({i.quantized}): unfused only", inputs=i)
     if requested == "merge":
         return Decision("merged", requested, "forced (lora_mode=merge)", inputs=i)
     if requested == "unfused":
