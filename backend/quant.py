@@ -106,7 +106,8 @@ def gguf_components(plan: QuantPlan, model_dir, denoisers, dtype: torch.dtype, d
                 config=str(model_dir), subfolder=comp, torch_dtype=dtype, local_files_only=True)
         except Exception as exc:  # a file of another model, a broken file: one line, naming it
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-            raise InvalidParameter(f"could not load {comp} from {path}: {msg}", param="gguf") from exc
+            raise InvalidParameter(f"could not load {comp} ({index[comp][1]}) from {path}: the file does not fit this "
+                                   f"model (a GGUF of another model?): {msg}", param="gguf") from exc
     return out
 
 
