@@ -2,6 +2,7 @@
 
     python -m backend.bench lora [--switches 1000] [--threads 2] [--quick]
                                  [--only timing|disk|drift|switches|rss]
+    python -m backend.bench quant [--rounds 15] [--threads 2] [--quick]   (backend/bench_quant.py)
 
 ``lora``: a synthetic Wan transformer of realistic shape (hidden 768, 12 heads, FFN 3072,
 4 layers, 1024 tokens, fp32) and 8 rank-32 adapters on every attention and FFN
@@ -488,7 +489,18 @@ def main(argv=None) -> int:
                       help="run one section")
     lora.add_argument("--quick", action="store_true",
                       help="a smoke run: width 256, 1 block, 64 tokens, 5 rounds, sweep 256,512, 50 switches")
+    from . import bench_quant  # `quant`: a LoRA on fp8 / GGUF bases (backend/bench_quant.py)
+
+    bench_quant.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.what == "quant":
+        if args.quick:
+            args.width, args.layers, args.tokens, args.rounds = 256, 1, 64, 3
+        torch.set_num_threads(args.threads)
+        from .manager import quiet_libraries
+
+        quiet_libraries()
+        return bench_quant.run(args)
     if args.quick:
         args.width, args.layers, args.tokens, args.rounds, args.switch_repeats = 256, 1, 64, 5, 4
         args.sweep, args.switches = [256, 512], 50

@@ -64,16 +64,21 @@ def ensure(model_id: str = "demo:sd3.5", qtype: str = "Q8_0", data_dir=None) -> 
 
 
 def write(model_id: str, qtype: str, out: Path, data_dir=None) -> None:
-    import gguf
-    import torch
     from safetensors.torch import load_file
 
     from . import ensure as ensure_model
 
     arch, component = SOURCES[model_id]
     folder = ensure_model(model_id, data_dir) / component
-    state = load_file(str(folder / "diffusion_pytorch_model.safetensors"))
-    original = sd3_original_names(state)
+    write_state(sd3_original_names(load_file(str(folder / "diffusion_pytorch_model.safetensors"))), qtype, out, arch)
+
+
+def write_state(original: dict, qtype: str, out: Path, arch: str = "sd3") -> None:
+    """A state dict (original names) as a GGUF file: 2-D tensors whose rows split into blocks in ``qtype``,
+    1-D ones F32, the rest F16 (``backend.bench quant`` writes its larger model with it too)."""
+    import gguf
+    import torch
+
     target = gguf.GGMLQuantizationType[qtype]
     block, _ = gguf.GGML_QUANT_SIZES[target]
     writer = gguf.GGUFWriter(path=None, arch=arch)
@@ -87,8 +92,7 @@ def write(model_id: str, qtype: str, out: Path, data_dir=None) -> None:
             kind = gguf.GGMLQuantizationType.F32
         else:  # conv kernels, positional tables, rows that do not split into blocks
             kind = gguf.GGMLQuantizationType.F16
-        packed = gguf.quants.quantize(data, kind)
-        writer.add_tensor(name, packed, raw_dtype=kind)
+        writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
     writer.write_header_to_file(path=str(out))
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
