@@ -126,7 +126,7 @@ class PipelineManager:
             raise UnsupportedModel(f"diffusers {diffusers.__version__} has no pipeline {resolved.class_name!r}",
                                    param="model")
         denoisers = spec.denoisers if spec is not None else ()
-        components = quant.gguf_components(self.quant, resolved.path, denoisers, self.dtype, self.device)
+        components = quant.gguf_components(self.quant, resolved.path, denoisers, self.dtype)
         try:
             pipe = cls.from_pretrained(resolved.path, dtype=self.dtype, **components)
         except Exception as exc:  # a broken checkpoint: say which directory and why, in one line

@@ -85,7 +85,7 @@ def _magic(p: Path) -> bytes:
 
 
 # -- loading ---------------------------------------------------------------------------------------------------
-def gguf_components(plan: QuantPlan, model_dir, denoisers, dtype: torch.dtype, device) -> dict:
+def gguf_components(plan: QuantPlan, model_dir, denoisers, dtype: torch.dtype) -> dict:
     """{component: model loaded from its GGUF file} to hand to the pipeline's ``from_pretrained``."""
     if not plan.gguf:
         return {}

@@ -249,3 +249,45 @@ def test_served_fp8_base_runs_adapters_unfused_and_refuses_merge(fp8_server):
     r = post(fp8_server, lora={"path": "demo/sd3.5/sd35-watercolor.safetensors"}, lora_mode="merge")
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_mode", r.text
     assert "quantized" in r.json()["error"]["message"]
+
+
+def test_policy_on_a_quantized_base_is_unfused_whatever_the_numbers():
+    from backend.lora.policy import PolicyInputs, decide
+
+    free_merge = PolicyInputs(steps=40, merge_bytes=0, step_s=1.0, ratio=0.5, quantized="gguf (Q8_0)")
+    assert decide(PolicyInputs(steps=40, merge_bytes=0)).mode == "merged"  # plain: nothing to write, merge
+    for requested in ("auto", "unfused"):
+        d = decide(free_merge, requested)
+        assert (d.mode, d.reason) == ("unfused", "quantized base (gguf (Q8_0)): unfused only")
+    with pytest.raises(InvalidParameter, match=r"lora_mode=merge: the base is quantized \(gguf \(Q8_0\)\)"):
+        decide(free_merge, "merge")
+
+
+def test_qwen_image_gguf_in_diffusers_names_mixes_packed_and_plain_layers(data_dir, library):
+    """Published Qwen-Image GGUFs keep diffusers' names; the demo's 48-wide rows stay F16 (plain Linear), its
+    256/192-wide ones are Q8_0 GGUFLinear: the base still counts as quantized and adapters on both kinds of
+    layer run unfused, matching the dequantized model."""
+    from diffusers.quantizers.gguf.utils import GGUFLinear
+
+    from backend.demo import gguf
+
+    q = PipelineManager(device="cpu", dtype="float32", data_dir=data_dir,
+                        gguf=str(gguf.ensure("demo:qwen-image", "Q8_0", data_dir)))
+    q.load("demo:qwen-image")
+    attach(q)
+    linears = [m for m in q.denoisers()["transformer"].modules() if isinstance(m, torch.nn.Linear)]
+    assert sum(isinstance(m, GGUFLinear) for m in linears) == 5 and len(linears) == 34
+    assert q.quantized == "gguf (Q8_0)"
+    ref = PipelineManager(device="cpu", dtype="float32", data_dir=data_dir)
+    ref.load("demo:qwen-image")
+    dequantized_copy(q, ref)
+    attach(ref)
+    ink = LoRARequest("ink", 1, str(library / "qwen-image/qwen-image-ink-kohya.safetensors"))
+    stored = storage_digest(q.denoisers()["transformer"])
+    base, _ = image(q, [])
+    styled, meta = image(q, [(ink, 1.0)])
+    expected, _ = image(ref, [(ink, 1.0)], "merge")
+    gap = np.abs(styled - expected).max()
+    print(f"qwen-image Q8_0: max |quantized+unfused - dequantized+merged| = {gap:.3g}")
+    assert np.abs(styled - base).max() > 0.02 and gap <= TOL and meta["adapters"][0]["mode"] == "unfused"  # 0.041
+    assert storage_digest(q.denoisers()["transformer"]) == stored

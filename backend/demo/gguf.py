@@ -9,7 +9,7 @@ GGUFQuantizationConfig(compute_dtype=...), config=<pipeline dir>, subfolder="tra
 the quantized weights stay packed in ``GGUFParameter`` s inside ``GGUFLinear`` layers and are
 dequantized per forward.
 
-``demo:sd3.5`` is the demo written here: every Linear of its transformer has rows of 32 or 128
+``demo:sd3.5`` is the main demo written here: every Linear of its transformer has rows of 32 or 128
 (one Q8_0/Q4_0 block is 32 values), and the file uses the original SD3 (MMDiT) names
 (``joint_blocks.N.x_block.attn.qkv`` ...) that diffusers' own converter maps back. The one
 liberty taken against city96's tool: it leaves tensors of <= 1024 values in F32, and the
@@ -32,7 +32,11 @@ from .. import settings
 from ..errors import InvalidParameter
 
 QTYPES = ("Q8_0", "Q4_0")
-SOURCES = {"demo:sd3.5": ("sd3", "transformer")}  # demo id -> (GGUF architecture, component)
+# demo id -> (GGUF architecture, component, diffusers state dict -> the published files' names)
+SOURCES = {"demo:sd3.5": ("sd3", "transformer", "sd3_original_names"),
+           # published Qwen-Image GGUFs keep diffusers' names (diffusers' mapping for it is the identity); the
+           # demo's rows are 48 wide, so only its 256- and 192-wide rows (5 of 34 Linears) split into blocks
+           "demo:qwen-image": ("qwen_image", "transformer", "same_names")}
 
 
 def path_for(model_id: str, qtype: str = "Q8_0", data_dir=None) -> Path:
@@ -68,9 +72,14 @@ def write(model_id: str, qtype: str, out: Path, data_dir=None) -> None:
 
     from . import ensure as ensure_model
 
-    arch, component = SOURCES[model_id]
+    arch, component, names = SOURCES[model_id]
     folder = ensure_model(model_id, data_dir) / component
-    write_state(sd3_original_names(load_file(str(folder / "diffusion_pytorch_model.safetensors"))), qtype, out, arch)
+    state = load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+    write_state(globals()[names](state), qtype, out, arch)
+
+
+def same_names(state: dict) -> dict:
+    return dict(state)
 
 
 def write_state(original: dict, qtype: str, out: Path, arch: str = "sd3") -> None:
