@@ -291,3 +291,20 @@ def test_qwen_image_gguf_in_diffusers_names_mixes_packed_and_plain_layers(data_d
     print(f"qwen-image Q8_0: max |quantized+unfused - dequantized+merged| = {gap:.3g}")
     assert np.abs(styled - base).max() > 0.02 and gap <= TOL and meta["adapters"][0]["mode"] == "unfused"  # 0.041
     assert storage_digest(q.denoisers()["transformer"]) == stored
+
+
+def test_generate_cli_on_a_gguf_base_with_a_lora(data_dir, library, tmp_path, capsys):
+    """`app.py generate --gguf FILE --lora-path L`: the sidecar records the quantization and the unfused adapter."""
+    import json
+
+    import app
+    from backend.demo import gguf
+
+    out = tmp_path / "fox.png"
+    rc = app.main(["generate", "--model", MODEL, "--gguf", str(gguf.ensure(MODEL, "Q4_0", data_dir)),
+                   "--lora-path", str(library / "sd3.5/sd35-watercolor.safetensors"), "--prompt", "a fox",
+                   "--num-inference-steps", "2", "--output", str(out), "--data-dir", str(data_dir), "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    meta = json.loads((tmp_path / "fox.png.json").read_text())
+    assert meta["quantization"] == "gguf (Q4_0)"
+    assert [a["mode"] for a in meta["adapters"]] == ["unfused"] and meta["lora_mode"]["mode"] == "unfused"
