@@ -308,3 +308,26 @@ def test_generate_cli_on_a_gguf_base_with_a_lora(data_dir, library, tmp_path, ca
     meta = json.loads((tmp_path / "fox.png.json").read_text())
     assert meta["quantization"] == "gguf (Q4_0)"
     assert [a["mode"] for a in meta["adapters"]] == ["unfused"] and meta["lora_mode"]["mode"] == "unfused"
+
+
+def test_studio_checks_the_flags_and_hands_the_worker_the_files(data_dir, tmp_path):
+    """The server's side: refusals before a worker starts, and the GGUF files reach the worker's config in a
+    form its PipelineManager reads back to the same {component: file}."""
+    from backend import quant
+    from backend.demo import gguf
+    from backend.service import Studio
+
+    path = str(gguf.ensure(MODEL, "Q8_0", data_dir))
+    studio = Studio(MODEL, data_dir=tmp_path, gguf=[path])
+    try:
+        assert studio.config.gguf == (f"transformer={path}",) and studio.config.quantize is None
+        assert quant.check(gguf=list(studio.config.gguf)).gguf == {"transformer": path}
+    finally:
+        studio.close()
+    for kw, param in (({"quantize": "fp8", "lora_mode": "merge"}, "lora_mode"),
+                      ({"gguf": [path], "lora_backend": "distill"}, "lora_backend"),
+                      ({"quantize": "fp8", "preset": "qwen-image-lightning-4step"}, "preset"),
+                      ({"gguf": [path], "engine": "ray"}, "gguf")):
+        with pytest.raises(InvalidParameter) as err:
+            Studio(MODEL, data_dir=tmp_path, **kw)
+        assert err.value.param == param, (kw, err.value.message)
