@@ -83,6 +83,12 @@ def _lora(p: argparse.ArgumentParser) -> None:
                         "(docs/minimax.md)")
     p.add_argument("--offload-stream", action="store_true",
                    help="--offload group: prefetch the next block on a CUDA stream")
+    p.add_argument("--quantize", choices=("none", "fp8"), default="none",
+                   help="fp8: store the denoisers' weights in fp8 (diffusers' layerwise casting, computed in --dtype); "
+                        "adapters then run unfused only (docs/lora.md, Quantized bases)")
+    p.add_argument("--gguf", action="append", default=[], metavar="[COMPONENT=]PATH",
+                   help="load the transformer (or COMPONENT, e.g. transformer_2) from a GGUF file, e.g. a city96 "
+                        "Q8_0/Q4_0 file; adapters then run unfused only (repeatable)")
     p.add_argument("--pristine", choices=("auto", "device", "host"), default="auto",
                    help="peft: where the originals of merged layers live: device (no transfer per switch), "
                         "host (pinned RAM, copied on a side stream), auto (device when it fits; docs/lora.md)")
@@ -227,7 +233,8 @@ def cmd_generate(args) -> int:
     omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
                 lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
                 data_dir=args.data_dir, adapter_dirs=args.adapter_dir, offload=args.offload,
-                offload_stream=args.offload_stream, pristine=args.pristine, lora_mode=args.lora_mode)
+                offload_stream=args.offload_stream, pristine=args.pristine, lora_mode=args.lora_mode,
+                quantize=args.quantize, gguf=args.gguf)
     spec = getattr(omni.manager, "spec", None)
     if args.output and spec is not None:  # an image model cannot write .mp4, nor a video model .png
         check_suffix(args.output, video=str(spec.output).startswith("video"))
@@ -297,7 +304,7 @@ def cmd_serve(args) -> int:
                     ray_address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
                     offload=args.offload, offload_stream=args.offload_stream, limits=limits,
                     pristine=args.pristine, lora_mode=args.lora_mode, lora_prefetch=args.lora_prefetch,
-                    max_batch=args.max_batch)
+                    max_batch=args.max_batch, quantize=args.quantize, gguf=args.gguf)
     try:
         studio.start()
         app = create_app(studio, api_key=args.api_key, login=args.auth,  # one gate for API and UI

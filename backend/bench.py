@@ -3,6 +3,7 @@
     python -m backend.bench lora [--switches 1000] [--threads 2] [--quick]
                                  [--only timing|disk|drift|switches|rss]
     python -m backend.bench batch [--model demo:qwen-image] [--sizes 1,2,4,8] [--rounds 15] [--steps 4]
+    python -m backend.bench quant [--rounds 15] [--threads 2] [--quick]   (backend/bench_quant.py)
 
 ``batch``: mixed-adapter batches (backend/batch.py) against the same requests one by one with merge
 switching and against diffusers' per-adapter calls (``BatchBench``).
@@ -589,7 +590,18 @@ def main(argv=None) -> int:
     batch.add_argument("--size", type=int, default=64, help="image height and width")
     batch.add_argument("--threads", type=int, default=1)
     batch.add_argument("--data-dir", help="where the demo model and adapters are built (default: a temp dir)")
+    from . import bench_quant  # `quant`: a LoRA on fp8 / GGUF bases (backend/bench_quant.py)
+
+    bench_quant.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.what == "quant":
+        if args.quick:
+            args.width, args.layers, args.tokens, args.rounds = 256, 1, 64, 3
+        torch.set_num_threads(args.threads)
+        from .manager import quiet_libraries
+
+        quiet_libraries()
+        return bench_quant.run(args)
     if args.what == "batch":
         torch.set_num_threads(args.threads)
         from .manager import quiet_libraries

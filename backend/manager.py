@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from . import params as param_rules
+from . import quant
 from .errors import Cancelled, CorruptModel, InvalidParameter, StudioError, UnsupportedModel
 from .minimax import offload as offload_policy
 from .families import Family, PipelineSpec
@@ -72,8 +73,9 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
 
 class PipelineManager:
     def __init__(self, *, device: str | None = None, dtype: str | None = None, data_dir=None,
-                 offload=None, offload_stream: bool = False):
+                 offload=None, offload_stream: bool = False, quantize: str | None = None, gguf=None):
         quiet_libraries()
+        self.quant = quant.check(quantize, gguf)  # fp8 storage or GGUF denoisers (backend/quant.py)
         self.offload = offload_policy.check(offload, stream=offload_stream)  # MiniMax-H3 only (load() says so)
         self.device = pick_device(device)
         offload_policy.check_device(self.offload, self.device)
@@ -91,6 +93,7 @@ class PipelineManager:
         self.fused_base = None
         # MiniMax-H3 (modular pipeline): contracts, partitions and adapters (backend/minimax/runtime.py)
         self.minimax = None
+        self.quantized: str | None = None  # how the loaded denoisers are stored ("fp8 (...)", "gguf (Q8_0)")
         self._lock = threading.RLock()
 
     # -- loading ---------------------------------------------------------------------------
@@ -102,30 +105,38 @@ class PipelineManager:
             offload_policy.check_model(self.offload, spec.class_name)
             minimax = None
             if spec.class_name == "MiniMaxH3ModularPipeline":  # modular: its own loading and run
+                if self.quant.active:
+                    raise InvalidParameter("quantize/gguf: not supported for MiniMax-H3 (docs/lora.md)",
+                                           param="gguf" if self.quant.gguf else "quantize")
                 from .minimax.runtime import MiniMaxRuntime
 
                 minimax = MiniMaxRuntime(resolved.path, device=self.device, dtype=self.dtype, offload=self.offload)
                 pipeline = minimax.pipe
             else:
-                pipeline = self._from_pretrained(resolved)
+                pipeline = self._from_pretrained(resolved, spec)
             self.unload()
             self.pipeline, self.spec, self.family, self.minimax = pipeline, spec, family, minimax
             self.model_id, self.model_path = model_id, resolved.path
             self.defaults = dict(resolved.defaults)
+            self.quantized = quant.quantized_kind(self.denoisers())
 
-    def _from_pretrained(self, resolved):
+    def _from_pretrained(self, resolved, spec=None):
         import diffusers
 
         cls = getattr(diffusers, resolved.class_name, None)
         if cls is None:
             raise UnsupportedModel(f"diffusers {diffusers.__version__} has no pipeline {resolved.class_name!r}",
                                    param="model")
+        denoisers = spec.denoisers if spec is not None else ()
+        components = quant.gguf_components(self.quant, resolved.path, denoisers, self.dtype)
         try:
-            pipe = cls.from_pretrained(resolved.path, dtype=self.dtype)
+            pipe = cls.from_pretrained(resolved.path, dtype=self.dtype, **components)
         except Exception as exc:  # a broken checkpoint: say which directory and why, in one line
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
             raise CorruptModel(f"could not load {resolved.path}: {msg}", param="model") from exc
         pipe.to(self.device)
+        quant.apply(self.quant, {d: getattr(pipe, d) for d in denoisers if getattr(pipe, d, None) is not None},
+                    self.dtype)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -135,7 +146,7 @@ class PipelineManager:
                 return
             self.pipeline = None
             self.lora_engine = self.fused_base = self.minimax = None
-            self.model_id = self.model_path = self.spec = self.family = None
+            self.model_id = self.model_path = self.spec = self.family = self.quantized = None
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -234,6 +245,8 @@ class PipelineManager:
 
         with self._lock:
             self._require_loaded()
+            if self.quantized:  # never written into quantized storage
+                raise quant.refuse_merge(self.quantized, "fusing a distill file or preset", "lora_backend")
             if preset is None:  # files named like a preset's carry its sampling contract
                 from .presets import match_files
 
@@ -292,6 +305,7 @@ class PipelineManager:
             "distill": self.fused_base.state() if self.fused_base is not None and self.fused_base.fused else None,
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **({"quantization": self.quantized} if self.quantized else {}),
         }
 
     # -- per-request scheduler / routing overrides ---------------------------------------------

@@ -39,7 +39,7 @@ class Omni:
                  lora_scale: float = 1.0, max_loras: int = 4, max_cpu_loras: int = 16,
                  device: str | None = None, dtype: str | None = None, data_dir=None, adapter_dirs=None,
                  offload: str = "none", offload_stream: bool = False, pristine: str = "auto",
-                 lora_mode: str | None = None, **kwargs):
+                 lora_mode: str | None = None, quantize: str | None = None, gguf=None, **kwargs):
         if kwargs:
             raise InvalidParameter(f"Omni() got unknown argument {sorted(kwargs)[0]!r}", param=sorted(kwargs)[0])
         if lora_backend not in LORA_BACKENDS:
@@ -52,8 +52,10 @@ class Omni:
         self.data_dir = data_dir
         self.adapter_dirs = list(adapter_dirs or [])
         # offload: "none" | "model" | "group" (MiniMax-H3; docs/minimax.md, "Offload")
+        # quantize: "fp8" (denoisers stored in fp8); gguf: the transformer from a GGUF file (path, or
+        # {component: path}); adapters then run unfused only (backend/quant.py, docs/lora.md "Quantized bases")
         self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir, offload=offload,
-                                       offload_stream=offload_stream)
+                                       offload_stream=offload_stream, quantize=quantize, gguf=gguf)
         self.manager.load(model)
         self.model = model
         self.lora = None

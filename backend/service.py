@@ -37,7 +37,8 @@ class Studio:
                  engine: str = "local", ray_address: str | None = None, replicas: int = 1,
                  gpus_per_replica: float = 0.0, offload: str = "none", offload_stream: bool = False,
                  limits: Limits | None = None, pristine: str = "auto",
-                 lora_mode: str | None = None, lora_prefetch: int = 2, max_batch: int = 1):
+                 lora_mode: str | None = None, lora_prefetch: int = 2, max_batch: int = 1,
+                 quantize: str | None = None, gguf=None):
         if engine not in ENGINES:
             raise InvalidParameter(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}", param="engine")
         if engine == "ray" and (replicas < 1 or gpus_per_replica < 0):
@@ -57,6 +58,15 @@ class Studio:
         if max_batch > 1 and engine == "ray":
             raise InvalidParameter("--max-batch applies to --engine local (a Ray replica takes one job at a time)",
                                    param="max_batch")
+        from . import quant
+
+        qplan = quant.check(quantize, gguf)  # the flags and files, before a worker starts
+        if qplan.active and engine != "local":
+            raise InvalidParameter("--quantize/--gguf: --engine local only", param="gguf" if qplan.gguf else "quantize")
+        if qplan.active and (lora_mode == "merge" or lora_backend == "distill" or preset):
+            what = "--lora-mode merge" if lora_mode == "merge" else "--preset" if preset else "--lora-backend distill"
+            raise quant.refuse_merge(qplan.label(), what, "lora_mode" if lora_mode == "merge" else
+                                     "preset" if preset else "lora_backend")
         plan = offload_policy.check(offload, stream=offload_stream)  # the flags, before a worker starts
         offload_policy.check_engine(plan, engine)
         self.data_dir = settings.data_dir(data_dir)
@@ -77,7 +87,9 @@ class Studio:
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
             adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]), offload=plan.mode,
             offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)}, pristine=pristine,
-            lora_mode=lora_mode, lora_prefetch=lora_prefetch, max_batch=max_batch)
+            lora_mode=lora_mode, lora_prefetch=lora_prefetch, max_batch=max_batch,
+            quantize=None if qplan.quantize == "none" else qplan.quantize,
+            gguf=tuple(f"{c}={p}" for c, p in qplan.gguf.items()))
         self.engine = engine
         if engine == "ray":
             from .engines.ray_engine import RayEngineConfig  # imports ray: only for --engine ray
@@ -434,6 +446,7 @@ class Studio:
             "model": info.get("model") or self.model, "pipeline": info.get("pipeline"),
             "device": info.get("device"), "dtype": info.get("dtype"), "lora_backend": self.lora_backend,
             "preset": self.preset, "fused": info.get("fused"), "memory": info.get("memory") or {},
+            "quantization": info.get("quantization"),
             "cache": _cache_summary(info.get("lora_cache")), "lora_cache": info.get("lora_cache"),
             "pristine": (info.get("lora_cache") or {}).get("pristine"),
             "queue_depth": counts["queued"], "jobs": counts, "max_queue": self.queue.max_queue,

@@ -45,6 +45,8 @@ class WorkerConfig:
     lora_mode: str | None = None  # auto | merge | unfused (None: auto on CUDA, merge on CPU)
     lora_prefetch: int = 2  # upcoming queued jobs whose adapters are read while a job runs (0: off)
     max_batch: int = 1  # compatible queued generate jobs run as one mixed-adapter batch (backend/batch.py)
+    quantize: str | None = None  # "fp8": denoisers stored in fp8 (backend/quant.py)
+    gguf: tuple = ()  # ("PATH" | "COMPONENT=PATH", ...): denoisers from GGUF files
 
 
 class _Worker:
@@ -53,7 +55,8 @@ class _Worker:
 
         self.conn, self.cancel, self.config = conn, cancel, config
         self.manager = PipelineManager(device=config.device, dtype=config.dtype, data_dir=config.data_dir,
-                                       offload=config.offload, offload_stream=config.offload_stream)
+                                       offload=config.offload, offload_stream=config.offload_stream,
+                                       quantize=config.quantize, gguf=list(config.gguf))
         self.engine = None
         self.preset: str | None = None
         self.step_times: list[float] = []
@@ -111,6 +114,7 @@ class _Worker:
                "fused": {**(m.fused_state() if hasattr(m, "fused_state") else {"state": "base"}),
                          "preset": self.preset}, "device": str(m.device),
                "dtype": str(m.dtype).replace("torch.", ""), "lora_backend": self.config.lora_backend,
+               "quantization": m.quantized,
                "pipeline": m.spec.class_name if m.spec else None,
                "seconds_per_step": (sum(self.step_times) / len(self.step_times)) if self.step_times else None}
         if m.spec is not None:

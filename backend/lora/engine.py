@@ -102,6 +102,10 @@ class LoRAEngine:
         self.pristine_reason = why
         self.targetable_bytes = pristine_mod.targetable_bytes(self.denoisers)
         self._params = {c: dict(m.named_parameters()) for c, m in self.denoisers.items()}
+        # quantized bases (backend/quant.py): factors in each layer's compute dtype, served unfused only
+        from .. import quant
+        self._compute = quant.compute_dtypes(self.denoisers)
+        self.quantized = quant.quantized_kind(self.denoisers)
         # (component, module) -> contribution key currently merged there
         self._w0_amax: dict[tuple[str, str], float] = {}  # largest |element| of each original (and bias)
         self._merged: dict[tuple[str, str], tuple] = {}
@@ -457,12 +461,13 @@ class LoRAEngine:
         the delta ``alpha * B'A'`` (+ bias) is not finite; by the factors' bounds that is known
         without any device work except for absurd factors or scales."""
         weight = self._params[comp][f"{module}.weight"]
-        b, a, alpha = _stacked(contributions, weight.dtype)
+        dtype = self._compute.get((comp, module), weight.dtype)
+        b, a, alpha = _stacked(contributions, dtype)
         terms = list(_bias_terms(contributions))
-        bias = None if not terms else sum(terms[1:], terms[0]).to(weight.dtype)
-        if not self._delta_bound(contributions) < 0.5 * torch.finfo(weight.dtype).max:
+        bias = None if not terms else sum(terms[1:], terms[0]).to(dtype)
+        if not self._delta_bound(contributions) < 0.5 * torch.finfo(dtype).max:
             with torch.no_grad():
-                delta = (torch.mm(b.float(), a.float()) * alpha).to(weight.dtype)
+                delta = (torch.mm(b.float(), a.float()) * alpha).to(dtype)
                 ok = bool(torch.isfinite(delta.sum(dtype=torch.float64)))
                 ok = ok and (bias is None or bool(torch.isfinite(bias.sum(dtype=torch.float64))))
             if not ok:
@@ -596,13 +601,14 @@ class LoRAEngine:
                 for comp, binding in entry.bindings.items():
                     for module, f in binding.layers.items():
                         weight = self._params[comp][f"{module}.weight"]
+                        dtype = self._compute.get((comp, module), weight.dtype)  # never fp8/GGUF storage
                         bias = f.tensors.get("lora_B.bias")
                         fa, fb = f.tensors["lora_A.weight"], f.tensors["lora_B.weight"]
                         bound = fa.shape[0] * _amax(fa) * _amax(fb) + (0.0 if bias is None else _amax(bias))
                         factors[(comp, module)] = _DeviceFactors(
-                            a=f.tensors["lora_A.weight"].to(weight.device, weight.dtype).contiguous(),
-                            b=f.tensors["lora_B.weight"].to(weight.device, weight.dtype).contiguous(),
-                            bias=None if bias is None else bias.to(weight.device, weight.dtype),
+                            a=f.tensors["lora_A.weight"].to(weight.device, dtype).contiguous(),
+                            b=f.tensors["lora_B.weight"].to(weight.device, dtype).contiguous(),
+                            bias=None if bias is None else bias.to(weight.device, dtype),
                             scaling=f.scaling, bound=bound)
                 nbytes = sum(t.numel() * t.element_size() for d in factors.values()
                              for t in (d.a, d.b, d.bias) if t is not None)

@@ -58,6 +58,7 @@ class PolicyInputs:
     queued_same: int = 0          # queued jobs with the same adapter set (run next by affinity)
     repeats: int = 0              # consecutive earlier requests with the same set
     scheduled: bool = False       # a scale changes between steps (a step schedule): unfused, always
+    quantized: str = ""           # the base's quantized storage ("fp8 (...)", "gguf (Q8_0)"): unfused only
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,16 @@ def unfused_cost(i: PolicyInputs) -> float | None:
 
 
 def decide(i: PolicyInputs, requested: str = "auto") -> Decision:
-    """The mode for one request (see the module docstring for the formula)."""
+    """The mode for one request (see the module docstring for the formula). A quantized base is served
+    unfused whatever the numbers (a merge would write into fp8/GGUF storage); ``merge`` is refused."""
+    if i.quantized:
+        if requested == "merge":
+            from ..errors import InvalidParameter
+
+            raise InvalidParameter(f"lora_mode=merge: the base is quantized ({i.quantized}); adapters run unfused "
+                                   "on it (a merge would write into quantized storage and round the adapter away)",
+                                   param="lora_mode")
+        return Decision("unfused", requested, f"quantized base ({i.quantized}): unfused only", inputs=i)
     if i.scheduled:
         return Decision("unfused", requested, "a step schedule: scales set per step unfused "
                         "(a merge would rewrite the layers every step)", inputs=i)

@@ -151,8 +151,13 @@ class UnfusedServing:
         self.engine = engine
         params = [p for ps in engine._params.values() for p in ps.values()]
         kind = params[0].device.type if params else "cpu"
-        # default: the cost policy on CUDA; on a CPU the exact merge is the faster path per request
-        self.mode = check_mode(mode) if mode is not None else ("auto" if kind == "cuda" else "merge")
+        # default: the cost policy on CUDA; on a CPU the exact merge is the faster path per request;
+        # a quantized base (backend/quant.py): unfused only, --lora-mode merge refused
+        self.quantized = getattr(engine, "quantized", None) or ""
+        if self.quantized and mode == "merge":
+            decide(PolicyInputs(steps=1, merge_bytes=0, quantized=self.quantized), "merge")  # raises, by name
+        self.mode = check_mode(mode) if mode is not None else \
+            ("unfused" if self.quantized else "auto" if kind == "cuda" else "merge")
         self.config = {**DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"]), **(config or {})}
         self._handles: list = []
         self._key = None  # the set served unfused now (the engine's activation key)
@@ -316,7 +321,8 @@ class UnfusedServing:
                             bandwidth=float(cfg["bandwidth"]), fixed_s=float(cfg["fixed_s"]), step_s=self.step_s,
                             ratio=lowrank / base, hooked_layers=max(per_comp.values()),
                             hook_s=float(cfg["hook_s"]), forwards=self.forwards,
-                            queued_same=int(queued_same or 0), repeats=self._repeats, scheduled=scheduled)
+                            queued_same=int(queued_same or 0), repeats=self._repeats, scheduled=scheduled,
+                            quantized=self.quantized)
 
     def _weight_bytes(self, target) -> int:
         comp, module = target
