@@ -85,12 +85,23 @@ def identity_of(entry: LoadedAdapter) -> Identity:
 class LoRAEngine:
     def __init__(self, pipeline, denoisers: dict[str, torch.nn.Module], *, model: str = "model",
                  max_loras: int = 4, max_cpu_loras: int = 16, pristine: str = "auto",
-                 lora_mode: str | None = None):
+                 lora_mode: str | None = None, family=None, factor_device=None,
+                 fixed_mode: str | None = None):
         if max_cpu_loras < max_loras:
             raise InvalidParameter(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})",
                                    param="max_cpu_loras")
         # the pipeline (or its class) picks diffusers' converters for non-diffusers layouts
         self.pipeline_cls = pipeline if isinstance(pipeline, type) else type(pipeline)
+        # the family's hooks: how its files become per-component factors, its request rules (backend/lora/family.py)
+        from .family import hooks_for
+
+        self.family = family if family is not None else hooks_for(self.pipeline_cls)
+        # where device-tier factors live when not with their weight (offload: the compute device, unfused only)
+        self.factor_device = None if factor_device is None else torch.device(factor_device)
+        # "why": lora_mode is fixed for this engine (offload: weights are not where a merge could write them)
+        self.fixed_reason = fixed_mode
+        if fixed_mode is not None and lora_mode not in ("merge", "unfused"):
+            raise InvalidParameter("a fixed lora_mode must be merge or unfused", param="lora_mode")
         self.denoisers = dict(denoisers)
         self.model = model
         self.cache = TwoTierCache(max_loras, max_cpu_loras)  # keyed by adapter identity
@@ -138,7 +149,7 @@ class LoRAEngine:
                                   "the request gives no lora_path", param="lora_path")
         # read + convert + fit outside the lock: disk and CPU work only
         loaded = load_adapter(path, self.pipeline_cls, self.denoisers, name=request.lora_name,
-                              int_id=request.lora_int_id, model=self.model)
+                              int_id=request.lora_int_id, model=self.model, family=self.family)
         with self._lock:
             self.counters["loads_from_disk"] += 1
             new = identity_of(loaded)
@@ -203,6 +214,16 @@ class LoRAEngine:
         for table in (self._ids, self._names):
             for k in [k for k, v in table.items() if v == key]:
                 del table[k]
+
+    def add_denoiser(self, name: str, module: torch.nn.Module) -> None:
+        """A denoiser loaded after the engine was built (MiniMax-H3's ref2va partition): targetable from now on."""
+        with self._lock:
+            if self.denoisers.get(name) is module:
+                return
+            self.denoisers[name] = module
+            self._params[name] = dict(module.named_parameters())
+            self.targetable_bytes = pristine_mod.targetable_bytes(self.denoisers)
+            self.unfused.add_denoiser(name, module)
 
     def prepare(self, adapters) -> None:
         """Read and fit the adapters of a coming request, so activation later is a short device step.
@@ -275,6 +296,11 @@ class LoRAEngine:
         merge-or-unfused policy (``self.unfused.last_decision`` says what it chose).
         """
         adapters = list(adapters or [])
+        if self.fixed_reason is not None and mode not in (None, "auto", self.unfused.mode):
+            raise InvalidParameter(f"lora_mode {mode!r} is not available: adapters are served {self.unfused.mode} "
+                                   f"here ({self.fixed_reason})", param="lora_mode")
+        if self.fixed_reason is not None:
+            mode = None  # the engine's own (fixed) mode
         with self._lock:
             self.counters["activations"] += 1
             combined: dict[Identity, list] = {}  # identity -> [entry, {component: scale}, request]
@@ -551,13 +577,14 @@ class LoRAEngine:
                 for comp, binding in entry.bindings.items():
                     for module, f in binding.layers.items():
                         weight = self._params[comp][f"{module}.weight"]
+                        device = self.factor_device or weight.device
                         bias = f.tensors.get("lora_B.bias")
                         fa, fb = f.tensors["lora_A.weight"], f.tensors["lora_B.weight"]
                         bound = fa.shape[0] * _amax(fa) * _amax(fb) + (0.0 if bias is None else _amax(bias))
                         factors[(comp, module)] = _DeviceFactors(
-                            a=f.tensors["lora_A.weight"].to(weight.device, weight.dtype).contiguous(),
-                            b=f.tensors["lora_B.weight"].to(weight.device, weight.dtype).contiguous(),
-                            bias=None if bias is None else bias.to(weight.device, weight.dtype),
+                            a=f.tensors["lora_A.weight"].to(device, weight.dtype).contiguous(),
+                            b=f.tensors["lora_B.weight"].to(device, weight.dtype).contiguous(),
+                            bias=None if bias is None else bias.to(device, weight.dtype),
                             scaling=f.scaling, bound=bound)
                 nbytes = sum(t.numel() * t.element_size() for d in factors.values()
                              for t in (d.a, d.b, d.bias) if t is not None)
@@ -600,6 +627,7 @@ class LoRAEngine:
             tiers["device"]["adapters"] = [names.get(k, k[0]) for k in self.cache.device.keys()]
             tiers["cpu"]["adapters"] = [names[k] for k in self.cache.cpu.keys()]
             return {"tiers": tiers, "pinned": sorted(names.get(k, k[0]) for k in self.cache.pinned),
+                    "family": self.family.name,
                     "active": self.active, "counters": dict(self.counters),
                     "merged_layers": len(self._merged), "pristine_bytes": self.pristine_bytes(),
                     "pristine": self.pristine_info(), "unfused": self.unfused.stats()}
