@@ -105,7 +105,6 @@ def test_adapter_requests_change_pixels_and_both_partitions_come_back_bit_for_bi
     styled = m.generate(dict(FAST), adapters=[(request("style", files["style"], 1), 1.0)])
     assert np.abs(pixels(styled) - pixels(base)).mean() > 1.0
     assert [a["name"] for a in styled.metadata["adapters"]] == ["style"]
-    assert styled.metadata["adapters"][0]["mode"] == "merged" and digests(m)["transformer"] != before["transformer"]
     ref = m.generate({**FAST, "task_type": "ref2va", "references": REFS, "num_inference_steps": None},
                      adapters=[(request("ref", files["ref"], 2), 1.0)])
     assert ref.metadata["params"]["contract"]["kind"] == "turbo" and ref.metadata["params"]["num_inference_steps"] == 2
@@ -113,6 +112,7 @@ def test_adapter_requests_change_pixels_and_both_partitions_come_back_bit_for_bi
     # The next request without adapters: every parameter of both partitions is the base's again, bit for bit.
     again = m.generate(dict(FAST))
     assert digests(m) == before and np.array_equal(pixels(again), pixels(base))
+    assert styled.metadata["adapters"][0]["mode"] == "merged"  # the engine's exact merge ran it
     counters = m.lora_engine.stats()["counters"]
     assert counters["switches"] == 3 and counters["layers_written"] == 8 + 8 + 16
 
@@ -124,8 +124,8 @@ def test_unfused_under_group_offload_writes_no_weight_and_matches_unfused_withou
     before = digests(grouped)
     adapters = [(request("style", files["style"], 1), 0.7)]
     got, expected = grouped.generate(dict(FAST), adapters=adapters), plain.generate(dict(FAST), adapters=adapters)
-    assert got.metadata["adapters"][0]["mode"] == "unfused" and got.metadata["lora_mode"]["mode"] == "unfused"
     assert digests(grouped) == before  # hooks only: not one weight written, even while the adapter is active
+    assert got.metadata["adapters"][0]["mode"] == "unfused" and got.metadata["lora_mode"]["mode"] == "unfused"
     assert np.array_equal(pixels(got), pixels(expected))
     assert np.abs(pixels(got) - pixels(grouped.generate(dict(FAST)))).mean() > 1.0
 
@@ -134,14 +134,15 @@ def test_lru_evicts_the_least_recent_adapter_and_keeps_the_pinned_one(data_dir, 
     m = manager_for(data_dir, max_loras=1, max_cpu_loras=2, preload=[files["other"]])
     engine = m.lora_engine
     assert engine.stats()["pinned"] == ["mm_other"]
-    for i, name in enumerate(("style", "third")):
-        engine.load(request(name, files[name], 10 + i))
+    engine.load(request("style", files["style"], 10))
+    # a ref2v Turbo file: the family routes it to transformer_ref (not loaded yet: fitted against a skeleton)
+    assert engine.load(request("ref", files["ref"], 11)).data.partition == "transformer_ref"
     tiers = engine.stats()["tiers"]
-    assert sorted(tiers["cpu"]["adapters"]) == ["mm_other", "third"]  # style went; the pin stayed
+    assert sorted(tiers["cpu"]["adapters"]) == ["mm_other", "ref"]  # style went; the pin stayed
     assert tiers["cpu"]["evictions"] >= 1
     engine.unpin("mm_other")
     engine.load(request("style", files["style"], 10))
-    assert sorted(engine.stats()["tiers"]["cpu"]["adapters"]) == ["style", "third"]
+    assert sorted(engine.stats()["tiers"]["cpu"]["adapters"]) == ["ref", "style"]
 
 
 def test_non_finite_merge_is_refused_by_name_and_leaves_the_weights(data_dir, files):
@@ -188,14 +189,14 @@ def test_server_cache_stats_and_pins_describe_minimax_adapters(server):
         def cache():
             return client.get(url + "/metrics").json()["lora_cache"]
 
-        start = cache()
-        assert start["family"] == "minimax-h3" and start["pinned"] == ["mm_pinned"]
+        assert cache()["pinned"] == ["mm_pinned"]
         for name in ("mm_a", "mm_b"):
             r = post(lora={"name": name})
             assert r.status_code == 200, r.text
             assert [a["name"] for a in r.json()["data"][0]["metadata"]["adapters"]] == [name]
         stats = cache()
         assert sorted(stats["tiers"]["cpu"]["adapters"]) == ["mm_b", "mm_pinned"]  # mm_a evicted, the pin kept
+        assert stats["family"] == "minimax-h3"  # the engine MiniMax-H3 runs its adapters with
         assert stats["tiers"]["cpu"]["evictions"] >= 1 and stats["tiers"]["device"]["adapters"] == ["mm_b"]
         assert stats["counters"]["loads_from_disk"] == 3 and stats["counters"]["switches"] == 2
         assert stats["active"][0]["name"] == "mm_b" and stats["active"][0]["mode"] == "merged"
