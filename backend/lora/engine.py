@@ -86,7 +86,7 @@ class LoRAEngine:
     def __init__(self, pipeline, denoisers: dict[str, torch.nn.Module], *, model: str = "model",
                  max_loras: int = 4, max_cpu_loras: int = 16, pristine: str = "auto",
                  lora_mode: str | None = None, family=None, factor_device=None,
-                 fixed_mode: str | None = None):
+                 mode_fixed_by: str | None = None):
         if max_cpu_loras < max_loras:
             raise InvalidParameter(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})",
                                    param="max_cpu_loras")
@@ -98,9 +98,9 @@ class LoRAEngine:
         self.family = family if family is not None else hooks_for(self.pipeline_cls)
         # where device-tier factors live when not with their weight (offload: the compute device, unfused only)
         self.factor_device = None if factor_device is None else torch.device(factor_device)
-        # "why": lora_mode is fixed for this engine (offload: weights are not where a merge could write them)
-        self.fixed_reason = fixed_mode
-        if fixed_mode is not None and lora_mode not in ("merge", "unfused"):
+        # why lora_mode is fixed for this engine, or None (offload: weights are not where a merge could write them)
+        self.mode_fixed_by = mode_fixed_by
+        if mode_fixed_by is not None and lora_mode not in ("merge", "unfused"):
             raise InvalidParameter("a fixed lora_mode must be merge or unfused", param="lora_mode")
         self.denoisers = dict(denoisers)
         self.model = model
@@ -296,10 +296,10 @@ class LoRAEngine:
         merge-or-unfused policy (``self.unfused.last_decision`` says what it chose).
         """
         adapters = list(adapters or [])
-        if self.fixed_reason is not None and mode not in (None, "auto", self.unfused.mode):
+        if self.mode_fixed_by is not None and mode not in (None, "auto", self.unfused.mode):
             raise InvalidParameter(f"lora_mode {mode!r} is not available: adapters are served {self.unfused.mode} "
-                                   f"here ({self.fixed_reason})", param="lora_mode")
-        if self.fixed_reason is not None:
+                                   f"here ({self.mode_fixed_by})", param="lora_mode")
+        if self.mode_fixed_by is not None:
             mode = None  # the engine's own (fixed) mode
         with self._lock:
             self.counters["activations"] += 1

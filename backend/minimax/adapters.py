@@ -250,7 +250,7 @@ class MiniMaxLoRAFamily(LoRAFamily):
         if plan is None or not plan.active or manager.device.type == "cpu":
             return {}
         return {"lora_mode": "unfused", "factor_device": manager.device,
-                "fixed_mode": f"{plan.flags()}: adapters run as hooks, base weights are never written"}
+                "mode_fixed_by": f"{plan.flags()}: adapters run as hooks, base weights are never written"}
 
     def bind(self, manager, engine) -> None:
         manager.minimax.attach_engine(engine)  # the runtime's generate serves its adapters with this engine
