@@ -281,6 +281,12 @@ class LoRAEngine:
                 return self.cache.cpu._entries[key].value
         return None
 
+    def by_name(self) -> dict[str, LoadedAdapter]:
+        """Every name a cached adapter was requested or pinned under, with its entry."""
+        with self._lock:
+            return {name: self.cache.cpu._entries[key].value for name, key in self._names.items()
+                    if key in self.cache.cpu}
+
     def loaded(self) -> list[LoadedAdapter]:
         with self._lock:
             return [self.cache.cpu._entries[k].value for k in self.cache.cpu.keys()]

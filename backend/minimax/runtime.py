@@ -136,12 +136,7 @@ class MiniMaxRuntime:
         """The adapters the engine holds, by the names they were requested under (contract, partition, report)."""
         if self.engine is None:
             return {}
-        with self._lock:
-            out = {}
-            for entry in self.engine.loaded():
-                for name in [n for n, key in self.engine._names.items() if key == entry.identity]:
-                    out[name] = entry.data
-            return out
+        return {name: entry.data for name, entry in self.engine.by_name().items()}
 
     def read(self, path, name: str | None = None) -> MiniMaxAdapter:
         """Read and fit one file as the engine does; refused (AdapterError naming the keys) before anything touches
