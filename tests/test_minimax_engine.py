@@ -41,10 +41,12 @@ def huge(prefix: str = "transformer") -> dict:
 
 
 def digests(manager) -> dict[str, str]:
-    """sha256 over every parameter (name and bytes) of each MiniMax-H3 partition."""
+    """sha256 over every parameter (name and bytes) of each loaded MiniMax-H3 partition."""
     out = {}
     for part in ("transformer", "transformer_ref"):
-        module = getattr(manager.minimax.pipe, part)
+        module = getattr(manager.minimax.pipe, part, None)
+        if module is None:
+            continue
         h = hashlib.sha256()
         for name, p in module.named_parameters():
             h.update(name.encode())
@@ -102,6 +104,7 @@ def test_adapter_requests_change_pixels_and_both_partitions_come_back_bit_for_bi
     base = m.generate(dict(FAST))
     ref_base = m.generate({**FAST, "task_type": "ref2va", "references": REFS})  # loads transformer_ref
     before = digests(m)
+    assert set(before) == {"transformer", "transformer_ref"}
     styled = m.generate(dict(FAST), adapters=[(request("style", files["style"], 1), 1.0)])
     assert np.abs(pixels(styled) - pixels(base)).mean() > 1.0
     assert [a["name"] for a in styled.metadata["adapters"]] == ["style"]
@@ -128,6 +131,37 @@ def test_unfused_under_group_offload_writes_no_weight_and_matches_unfused_withou
     assert got.metadata["adapters"][0]["mode"] == "unfused" and got.metadata["lora_mode"]["mode"] == "unfused"
     assert np.array_equal(pixels(got), pixels(expected))
     assert np.abs(pixels(got) - pixels(grouped.generate(dict(FAST)))).mean() > 1.0
+
+
+def test_offload_on_an_accelerator_fixes_the_unfused_mode(data_dir, files):
+    """The rule (no GPU here): offload on a non-CPU device serves adapters unfused, factors on the compute device,
+    and a request for the merge is refused naming the flags; on CPU offload moves nothing and the rule is off."""
+    from types import SimpleNamespace
+
+    from backend.errors import InvalidParameter
+    from backend.lora.engine import LoRAEngine
+    from backend.minimax.adapters import MiniMaxLoRAFamily
+    from backend.minimax.offload import check
+
+    family = MiniMaxLoRAFamily()
+    cuda = SimpleNamespace(minimax=SimpleNamespace(offload=check("group", stream=True)), device=torch.device("cuda"))
+    options = family.engine_options(cuda)
+    assert options["lora_mode"] == "unfused" and options["factor_device"] == torch.device("cuda")
+    assert "--offload group --offload-stream" in options["mode_fixed_by"]
+    cpu = SimpleNamespace(minimax=SimpleNamespace(offload=check("group")), device=torch.device("cpu"))
+    assert family.engine_options(cpu) == {}
+    # An engine with that fixed mode (on CPU factors, to run here): merge refused by name, unfused served.
+    m = manager_for(data_dir, offload="group")
+    m.minimax.attach_engine(LoRAEngine(m.pipeline, m.denoisers(), model="demo:minimax-h3", lora_mode="unfused",
+                                       factor_device="cpu", mode_fixed_by=options["mode_fixed_by"]))
+    m.lora_engine = m.minimax.engine
+    adapters = [(request("style", files["style"], 1), 1.0)]
+    with pytest.raises(InvalidParameter) as err:
+        m.generate(dict(FAST), adapters=adapters, lora_mode="merge")
+    assert err.value.param == "lora_mode" and "--offload group --offload-stream" in err.value.message
+    before = digests(m)
+    out = m.generate(dict(FAST), adapters=adapters, lora_mode="auto")
+    assert out.metadata["adapters"][0]["mode"] == "unfused" and digests(m) == before
 
 
 def test_lru_evicts_the_least_recent_adapter_and_keeps_the_pinned_one(data_dir, files):
