@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -221,8 +222,6 @@ class MiniMaxRuntime:
                                           mode=lora_mode)
                 calls = engine.unfused.forward_calls()
             generator = torch.Generator(device="cpu").manual_seed(int(params["seed"]))
-            import time
-
             started = time.perf_counter()
             out = mp.run(self.pipe, plan, params, on_step=on_step, cancel=cancel, generator=generator)
             if engine is not None:  # the merge-or-unfused policy's measured step time
@@ -279,8 +278,6 @@ CONTRACT_FIELDS = ("num_inference_steps", "flow_shift", "audio_flow_shift")
 def generate_for_manager(manager, request: dict, *, adapters=None, defaults=None, on_step=None, cancel=None,
                          lora_mode: str | None = None):
     """PipelineManager.generate for MiniMax-H3: validate, check the contract, run, and wrap the result."""
-    import time
-
     from ..manager import GenerationResult
 
     started = time.time()
