@@ -183,7 +183,7 @@ class PipelineManager:
                 from .minimax.runtime import generate_for_manager
 
                 return generate_for_manager(self, request, adapters=adapters, defaults=defaults,
-                                            on_step=on_step, cancel=cancel)
+                                            on_step=on_step, cancel=cancel, lora_mode=lora_mode)
             if "lora_mode" in request:  # a request field (HTTP): merge or unfused, not a pipeline argument
                 request = dict(request)
                 field = request.pop("lora_mode")

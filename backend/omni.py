@@ -59,17 +59,17 @@ class Omni:
         self.manager.load(model)
         self.model = model
         self.lora = None
-        if self.manager.minimax is not None:  # MiniMax-H3: its runtime reads adapters (contracts, qkv reorder)
-            self.manager.minimax.start(lora_backend, lora_path)  # fuses (distill), then applies offload
-        else:
-            from .lora import attach
+        if self.manager.minimax is not None:  # MiniMax-H3: distill files fused, then offload applied
+            self.manager.minimax.start(lora_backend, lora_path if lora_backend == "distill" else None)
+        from .lora import attach
 
-            # per-request adapters on both backends; with peft, lora_path is pre-loaded and pinned
-            self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
-                               preload=lora_path if lora_backend == "peft" else None, pristine=pristine,
-                               lora_mode=lora_mode)
-            if lora_backend == "distill" and lora_path:
-                self.manager.fuse(lora_path, self.lora_scale)  # fused once, here; no LoRARequest needed later
+        # per-request adapters on both backends (MiniMax-H3's too: its family hooks around the same engine);
+        # with peft, lora_path is pre-loaded and pinned
+        self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+                           preload=lora_path if lora_backend == "peft" else None, pristine=pristine,
+                           lora_mode=lora_mode)
+        if lora_backend == "distill" and lora_path and self.manager.minimax is None:
+            self.manager.fuse(lora_path, self.lora_scale)  # fused once, here; no LoRARequest needed later
 
     def apply_preset(self, preset_id: str) -> dict:
         """Fuse a distill preset's files (adapter dirs, then the HF cache) and use its defaults."""

@@ -24,12 +24,23 @@ def attach(manager, *, max_loras: int = 4, max_cpu_loras: int = 16, preload=None
 
     ``pristine`` (auto | device | host) says where the originals of written layers live
     (``backend.lora.pristine``); ``lora_mode``: auto | merge | unfused (None: auto on CUDA,
-    merge on CPU; docs/lora.md)."""
+    merge on CPU; docs/lora.md). Every family goes through here, MiniMax-H3 included: its hooks
+    (``family.hooks_for``) convert its files and check its contracts, and its runtime serves
+    requests with this engine (``bind``)."""
+    from ..errors import InvalidParameter
     from .engine import LoRAEngine
+    from .family import hooks_for
 
+    family = hooks_for(manager.pipeline)  # the family's hooks (backend/lora/family.py): MiniMax-H3's, or diffusers'
+    options = family.engine_options(manager)
+    fixed = options.pop("lora_mode", None)
+    if fixed is not None and lora_mode not in (None, "auto", fixed):
+        raise InvalidParameter(f"--lora-mode {lora_mode} conflicts with {options.get('mode_fixed_by')}; use "
+                               f"--lora-mode {fixed}", param="lora_mode")
     engine = LoRAEngine(manager.pipeline, manager.denoisers(), model=manager.model_id or "model",
                         max_loras=max_loras, max_cpu_loras=max_cpu_loras, pristine=pristine,
-                        lora_mode=lora_mode)
+                        lora_mode=fixed or lora_mode, family=family, **options)
+    family.bind(manager, engine)
     paths = [preload] if isinstance(preload, (str, Path)) else list(preload or [])
     for i, path in enumerate(paths):
         p = Path(path)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .convert import convert
-from .fit import Binding, FitReport, fit
+from .family import LoRAFamily, hooks_for
+from .fit import Binding, FitReport
 from ..cpu_tasks import single_threaded
 from .formats import AdapterRecord, file_stamp, read_tensors
 
@@ -25,6 +25,7 @@ class LoadedAdapter:
     report: FitReport
     stamp: tuple[int, int]  # (mtime_ns, size) of the weights file when read
     identity: tuple | None = None  # (resolved weights file, sha256): the engine's cache key, set on insert
+    data: object = None  # the family's facts about the file (``family.Converted.data``: MiniMax-H3's contract)
 
     @property
     def bindings(self) -> dict[str, Binding]:
@@ -44,22 +45,22 @@ class LoadedAdapter:
 
 def fit_adapter(path, pipeline_cls, denoisers: dict[str, torch.nn.Module], name: str | None = None) -> FitReport:
     """The fit report of an adapter against the given denoisers (meta-device skeletons work)."""
-    if getattr(pipeline_cls, "__name__", "") == "MiniMaxH3ModularPipeline":  # contracts, layouts, partitions
-        from ..minimax.adapters import fit_report
+    return _read_and_fit(path, hooks_for(pipeline_cls), denoisers, name)[1]
 
-        return fit_report(path, denoisers, name=name)
+
+def _read_and_fit(path, family: LoRAFamily, denoisers, name):
+    """Read, convert (the family's hook) and fit (the shared report): (raw, report, converted)."""
     with single_threaded():  # hundreds of small-tensor ops: parallel regions only add barriers
         raw = read_tensors(path, name)
-        converted = convert(raw, pipeline_cls, default_component=next(iter(denoisers), "transformer"))
-        return fit(converted, denoisers, adapter=raw.record.name, file=str(raw.record.file))
+        converted = family.convert(raw, denoisers)
+        report = family.fit(converted, denoisers, adapter=name or raw.record.name, file=str(raw.record.file))
+    return raw, report, converted
 
 
 def load_adapter(path, pipeline_cls, denoisers: dict[str, torch.nn.Module], *, name: str, int_id: int,
-                 model: str) -> LoadedAdapter:
+                 model: str, family: LoRAFamily | None = None) -> LoadedAdapter:
     """Read, convert and fit; raises AdapterError (with ``.report``) when it does not fit."""
-    with single_threaded():  # hundreds of small-tensor ops: parallel regions only add barriers
-        raw = read_tensors(path, name)
-        converted = convert(raw, pipeline_cls, default_component=next(iter(denoisers), "transformer"))
-        report = fit(converted, denoisers, adapter=name, file=str(raw.record.file))
+    raw, report, converted = _read_and_fit(path, family or hooks_for(pipeline_cls), denoisers, name)
     report.raise_if_refused(model)
-    return LoadedAdapter(name=name, int_id=int_id, record=raw.record, report=report, stamp=raw.stamp)
+    return LoadedAdapter(name=name, int_id=int_id, record=raw.record, report=report, stamp=raw.stamp,
+                         data=converted.data)

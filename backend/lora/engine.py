@@ -86,12 +86,23 @@ def identity_of(entry: LoadedAdapter) -> Identity:
 class LoRAEngine:
     def __init__(self, pipeline, denoisers: dict[str, torch.nn.Module], *, model: str = "model",
                  max_loras: int = 4, max_cpu_loras: int = 16, pristine: str = "auto",
-                 lora_mode: str | None = None):
+                 lora_mode: str | None = None, family=None, factor_device=None,
+                 mode_fixed_by: str | None = None):
         if max_cpu_loras < max_loras:
             raise InvalidParameter(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})",
                                    param="max_cpu_loras")
         # the pipeline (or its class) picks diffusers' converters for non-diffusers layouts
         self.pipeline_cls = pipeline if isinstance(pipeline, type) else type(pipeline)
+        # the family's hooks: how its files become per-component factors, its request rules (backend/lora/family.py)
+        from .family import hooks_for
+
+        self.family = family if family is not None else hooks_for(self.pipeline_cls)
+        # where device-tier factors live when not with their weight (offload: the compute device, unfused only)
+        self.factor_device = None if factor_device is None else torch.device(factor_device)
+        # why lora_mode is fixed for this engine, or None (offload: weights are not where a merge could write them)
+        self.mode_fixed_by = mode_fixed_by
+        if mode_fixed_by is not None and lora_mode not in ("merge", "unfused"):
+            raise InvalidParameter("a fixed lora_mode must be merge or unfused", param="lora_mode")
         self.denoisers = dict(denoisers)
         self.model = model
         self.cache = TwoTierCache(max_loras, max_cpu_loras)  # keyed by adapter identity
@@ -143,7 +154,7 @@ class LoRAEngine:
                                   "the request gives no lora_path", param="lora_path")
         # read + convert + fit outside the lock: disk and CPU work only
         loaded = load_adapter(path, self.pipeline_cls, self.denoisers, name=request.lora_name,
-                              int_id=request.lora_int_id, model=self.model)
+                              int_id=request.lora_int_id, model=self.model, family=self.family)
         with self._lock:
             self.counters["loads_from_disk"] += 1
             new = identity_of(loaded)
@@ -209,6 +220,16 @@ class LoRAEngine:
             for k in [k for k, v in table.items() if v == key]:
                 del table[k]
 
+    def add_denoiser(self, name: str, module: torch.nn.Module) -> None:
+        """A denoiser loaded after the engine was built (MiniMax-H3's ref2va partition): targetable from now on."""
+        with self._lock:
+            if self.denoisers.get(name) is module:
+                return
+            self.denoisers[name] = module
+            self._params[name] = dict(module.named_parameters())
+            self.targetable_bytes = pristine_mod.targetable_bytes(self.denoisers)
+            self.unfused.add_denoiser(name, module)
+
     def prepare(self, adapters) -> None:
         """Read and fit the adapters of a coming request, so activation later is a short device step.
 
@@ -265,6 +286,12 @@ class LoRAEngine:
                 return self.cache.cpu._entries[key].value
         return None
 
+    def by_name(self) -> dict[str, LoadedAdapter]:
+        """Every name a cached adapter was requested or pinned under, with its entry."""
+        with self._lock:
+            return {name: self.cache.cpu._entries[key].value for name, key in self._names.items()
+                    if key in self.cache.cpu}
+
     def loaded(self) -> list[LoadedAdapter]:
         with self._lock:
             return [self.cache.cpu._entries[k].value for k in self.cache.cpu.keys()]
@@ -279,6 +306,11 @@ class LoRAEngine:
         ``steps``, ``mode`` ("auto" | "merge" | "unfused") and ``queued_same`` feed the
         merge-or-unfused policy (``self.unfused.last_decision`` says what it chose).
         """
+        if self.mode_fixed_by is not None and mode not in (None, "auto", self.unfused.mode):
+            raise InvalidParameter(f"lora_mode {mode!r} is not available: adapters are served {self.unfused.mode} "
+                                   f"here ({self.mode_fixed_by})", param="lora_mode")
+        if self.mode_fixed_by is not None:
+            mode = None  # the engine's own (fixed) mode
         with self._lock:
             self.counters["activations"] += 1
             loaded, key, meta = self.canonical(adapters, steps)
@@ -601,14 +633,15 @@ class LoRAEngine:
                 for comp, binding in entry.bindings.items():
                     for module, f in binding.layers.items():
                         weight = self._params[comp][f"{module}.weight"]
+                        device = self.factor_device or weight.device
                         dtype = self._compute.get((comp, module), weight.dtype)  # never fp8/GGUF storage
                         bias = f.tensors.get("lora_B.bias")
                         fa, fb = f.tensors["lora_A.weight"], f.tensors["lora_B.weight"]
                         bound = fa.shape[0] * _amax(fa) * _amax(fb) + (0.0 if bias is None else _amax(bias))
                         factors[(comp, module)] = _DeviceFactors(
-                            a=f.tensors["lora_A.weight"].to(weight.device, dtype).contiguous(),
-                            b=f.tensors["lora_B.weight"].to(weight.device, dtype).contiguous(),
-                            bias=None if bias is None else bias.to(weight.device, dtype),
+                            a=f.tensors["lora_A.weight"].to(device, dtype).contiguous(),
+                            b=f.tensors["lora_B.weight"].to(device, dtype).contiguous(),
+                            bias=None if bias is None else bias.to(device, dtype),
                             scaling=f.scaling, bound=bound)
                 nbytes = sum(t.numel() * t.element_size() for d in factors.values()
                              for t in (d.a, d.b, d.bias) if t is not None)
@@ -655,6 +688,7 @@ class LoRAEngine:
             tiers["device"]["adapters"] = [names.get(k, k[0]) for k in self.cache.device.keys()]
             tiers["cpu"]["adapters"] = [names[k] for k in self.cache.cpu.keys()]
             return {"tiers": tiers, "pinned": sorted(names.get(k, k[0]) for k in self.cache.pinned),
+                    "family": self.family.name,
                     "active": self.active, "counters": dict(self.counters),
                     "merged_layers": len(self._merged), "pristine_bytes": self.pristine_bytes(),
                     "pristine": self.pristine_info(), "unfused": self.unfused.stats()}

@@ -167,21 +167,25 @@ class UnfusedServing:
         self.last_decision: Decision | None = None
         self.step_s: float | None = None
         self.forwards: float = 1.0
-        self._linear_elems = {c: sum(m.in_features * m.out_features for m in d.modules()
-                                     if isinstance(m, torch.nn.Linear))
-                              for c, d in engine.denoisers.items()}
-        for d in engine.denoisers.values():
-            for m in d.modules():  # hooks an earlier engine on these modules left on: never two at once
-                for hid, hook in list(m._forward_hooks.items()):
-                    if isinstance(hook, (_Hook, _ScheduledHook)):
-                        m._forward_hooks.pop(hid, None)
-            if not isinstance(getattr(d, "_lora_studio_forwards", None), _ForwardCounter):
-                d._lora_studio_forwards = _ForwardCounter()  # counts denoiser forwards (2 per step with CFG)
-                d.register_forward_pre_hook(d._lora_studio_forwards)
+        self._linear_elems: dict[str, int] = {}
+        for c, d in engine.denoisers.items():
+            self.add_denoiser(c, d)
         self.counters = {"merged": 0, "unfused": 0, "hooks_installed": 0, "batches": 0}
         self._kind = kind
         self.batch_step_s: dict[int, float] = {}  # batch size -> measured seconds per step (mixed-adapter batches)
         self.last_merge: dict | None = None
+
+    def add_denoiser(self, comp: str, d: torch.nn.Module) -> None:
+        """Count a denoiser's Linear elements and forwards (at start, or when it is loaded later)."""
+        self._linear_elems[comp] = sum(m.in_features * m.out_features for m in d.modules()
+                                       if isinstance(m, torch.nn.Linear))
+        for m in d.modules():  # hooks an earlier engine on these modules left on: never two at once
+            for hid, hook in list(m._forward_hooks.items()):
+                if isinstance(hook, (_Hook, _ScheduledHook)):
+                    m._forward_hooks.pop(hid, None)
+        if not isinstance(getattr(d, "_lora_studio_forwards", None), _ForwardCounter):
+            d._lora_studio_forwards = _ForwardCounter()  # counts denoiser forwards (2 per step with CFG)
+            d.register_forward_pre_hook(d._lora_studio_forwards)
 
     # -- the policy -----------------------------------------------------------------------------------
     def serve(self, loaded, key, meta, *, steps=None, mode=None, queued_same: int = 0) -> bool:

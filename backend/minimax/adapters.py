@@ -12,12 +12,14 @@
   checkpoint's module names, ``key_format=minimax-h3-native``): the ``transformer.`` prefix and peft's
   ``.default.`` infix are dropped, then it is a native file. Without the native metadata it is refused by name.
 
-Reading and fitting are the shared LoRA machinery's (``backend.lora``): ``formats.read_tensors`` (truncation,
-NaN/inf), ``convert.convert`` with diffusers' MiniMax-H3 converter (DoRA refused, non-factor keys unmatched) and
-``fit.fit`` against a meta-device skeleton of the partition, so a MiniMax-H3 adapter gets the same fit report and
-the same refusals (unmatched keys, wrong shapes, nothing bound) as every other model, before any weight or peft
-layer is touched. The alpha rule (Turbo: the contract's alpha; otherwise ``__metadata__`` alpha) sets each layer's
-scaling (alpha / rank), which is folded into ``lora_B`` for peft, bound at ``alpha == rank``.
+All of this is MiniMax-H3's family hooks (``MiniMaxLoRAFamily``) around the one LoRA engine
+(``backend.lora.engine.LoRAEngine``; docs/ARCHITECTURE.md, "MiniMax-H3 and the LoRA engine"): reading is
+``formats.read_tensors`` (truncation, NaN/inf), converting is diffusers' MiniMax-H3 converter through
+``convert.convert`` (DoRA refused, non-factor keys unmatched) after the layout steps above, and fitting is the shared
+``fit.fit`` against the partition (a meta-device skeleton while it is not loaded), so a MiniMax-H3 adapter gets the
+same fit report, refusals, cache, pins, exact restore and stats as every other model, before any weight is touched.
+The alpha rule (Turbo: the contract's alpha; otherwise ``__metadata__`` alpha) sets each layer's scaling
+(alpha / rank), which the engine applies when it merges or hooks the layer.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import AdapterError
+from ..errors import AdapterError, ContractViolation
 from ..lora.convert import ConvertedAdapter, convert
-from ..lora.fit import FitReport, fit
+from ..lora.family import Converted, LoRAFamily
+from ..lora.fit import FitReport
 from ..lora.formats import AdapterRecord, read_tensors
 from . import contracts
 from .contracts import SamplingContract
@@ -50,26 +53,11 @@ class MiniMaxAdapter:
     partition: str  # the denoiser it binds to: "transformer" | "transformer_ref"
     record: AdapterRecord = field(repr=False)
     converted: ConvertedAdapter = field(repr=False)  # factors grouped under `partition`, scaling set
-    report: FitReport | None = field(default=None, repr=False)  # set by `fit_partition`
+    report: FitReport | None = field(default=None, repr=False)  # set by `MiniMaxLoRAFamily.fit`
 
     @property
     def tasks(self) -> tuple[str, ...]:
         return tuple(t for t in contracts.TASKS if contracts.PARTITION[t] == self.partition)
-
-    @property
-    def state_dict(self) -> dict:
-        """What peft binds: ``transformer.<module>.lora_A/B.weight`` of the fitted layers, scaling folded into
-        ``lora_B`` (the key prefix is diffusers' loader's; `partition` says where it goes)."""
-        if self.report is None or not self.report.ok:
-            raise AdapterError(f"{self.path.name} has not been fitted to {self.partition}", param="lora_path")
-        out = {}
-        for module, f in self.report.bindings[self.partition].layers.items():
-            out[f"transformer.{module}.lora_A.weight"] = f.tensors["lora_A.weight"]
-            for part in ("lora_B.weight", "lora_B.bias"):
-                if part in f.tensors:
-                    value = f.tensors[part]
-                    out[f"transformer.{module}.{part}"] = value if f.scaling == 1.0 else value * f.scaling
-        return out
 
 
 def comfyui_fused_qkv_keys(keys, *, turbo: bool) -> list[str]:
@@ -136,12 +124,18 @@ def _alpha(contract, metadata: dict, tensors: dict) -> float | None:
 
 
 def read_adapter(path, *, num_heads: int, head_dim: int) -> MiniMaxAdapter:
-    """Read one MiniMax-H3 LoRA file into factors grouped under its partition (not yet fitted: `fit_partition`).
+    """Read one MiniMax-H3 LoRA file into factors grouped under its partition (not yet fitted: `MiniMaxLoRAFamily.fit`).
     `num_heads`/`head_dim` come from the loaded transformer config."""
+    path = Path(path).expanduser()
+    return from_raw(read_tensors(path), path, num_heads=num_heads, head_dim=head_dim)
+
+
+def from_raw(raw, path, *, num_heads: int, head_dim: int) -> MiniMaxAdapter:
+    """`read_adapter` for tensors already read (``formats.RawAdapter``): contract, layouts, native reorder,
+    diffusers' MiniMax-H3 converter, alpha, partition."""
     from diffusers.loaders import MiniMaxH3LoraLoaderMixin
 
     path = Path(path).expanduser()
-    raw = read_tensors(path)
     metadata, name = raw.record.metadata, path.name
     tensors = from_vllm_omni_layout(raw.tensors, metadata, name)
     turbo = contracts.is_turbo_name(name) and not contracts.is_native(metadata)
@@ -183,24 +177,80 @@ def read_adapter(path, *, num_heads: int, head_dim: int) -> MiniMaxAdapter:
                           converted=dataclasses.replace(converted, groups=groups))
 
 
-def fit_partition(adapter: MiniMaxAdapter, skeleton: torch.nn.Module, *, model: str, name: str) -> MiniMaxAdapter:
-    """The shared fit report against the partition's layers (a meta-device skeleton is enough); refused
-    (AdapterError with ``.report``) when any key stays unmatched, any shape disagrees, or nothing binds."""
-    report = fit(adapter.converted, {adapter.partition: skeleton}, adapter=name, file=str(adapter.record.file),
-                 generic=adapter.partition)
-    report.raise_if_refused(model)
-    return dataclasses.replace(adapter, report=report)
+class MiniMaxLoRAFamily(LoRAFamily):
+    """MiniMax-H3's hooks around the shared LoRA engine (``backend.lora.family``).
 
+    - ``convert``: the contract (Turbo name / native metadata), vLLM-Omni's layout, the grouped-QKV reorder, diffusers'
+      MiniMax-H3 converter and the alpha rule (``from_raw``); the file's generic ``transformer.`` layers go to the
+      partition it binds (``transformer``, or ``transformer_ref`` for ref2va), one partition per file;
+    - ``fit_targets``: that partition, or a meta-device skeleton of it while it is not loaded (ref2va loads its
+      partition on demand), so the fit report never waits for weights;
+    - ``check``: the request's sampling plan under the checkpoint's pinned schedule, the fused files' and the active
+      adapters' contracts (``contracts.plan``), and each adapter's partition against the task's.
+    """
 
-def fit_report(path, denoisers: dict[str, torch.nn.Module], *, name: str | None = None) -> FitReport:
-    """The fit report of a MiniMax-H3 file against the partitions in `denoisers` (meta-device skeletons work),
-    read as the runtime reads it: what the adapter library lists (`backend.lora.adapter.fit_adapter`)."""
-    config = next(iter(denoisers.values())).config
-    adapter = read_adapter(path, num_heads=int(config.num_attention_heads), head_dim=int(config.attention_head_dim))
-    name = name or adapter.record.name
-    skeleton = denoisers.get(adapter.partition)
-    if skeleton is None:
-        raise AdapterError(f"{adapter.path.name} binds {adapter.partition}, which this model does not have",
-                           param="lora_path")
-    return fit(adapter.converted, {adapter.partition: skeleton}, adapter=name, file=str(adapter.record.file),
-               generic=adapter.partition)
+    name = "minimax-h3"
+
+    def __init__(self, pipeline_cls=None):
+        super().__init__(pipeline_cls)
+        self._skeleton: torch.nn.Module | None = None
+        self.checkpoint: SamplingContract | None = None  # the repository's pinned schedule (set by the runtime)
+        self.fused: list[MiniMaxAdapter] = []  # distill files fused at start (their contracts govern too)
+
+    def convert(self, raw, denoisers: dict[str, torch.nn.Module]) -> Converted:
+        config = next(iter(denoisers.values())).config
+        adapter = from_raw(raw, raw.record.path, num_heads=int(config.num_attention_heads),
+                           head_dim=int(config.attention_head_dim))
+        return Converted(adapter.converted, generic=adapter.partition, data=adapter)
+
+    def fit_targets(self, denoisers, converted: Converted) -> dict[str, torch.nn.Module]:
+        partition = converted.data.partition
+        module = denoisers.get(partition)
+        if module is None:  # both partitions share one architecture config in every released repository
+            if self._skeleton is None:
+                from diffusers import MiniMaxH3Transformer3DModel
+
+                with torch.device("meta"):
+                    self._skeleton = MiniMaxH3Transformer3DModel.from_config(
+                        dict(next(iter(denoisers.values())).config))
+            module = self._skeleton
+        return {partition: module}
+
+    def fit(self, converted: Converted, denoisers, *, adapter: str, file: str) -> FitReport:
+        report = super().fit(converted, denoisers, adapter=adapter, file=file)
+        converted.data = dataclasses.replace(converted.data, report=report)
+        return report
+
+    def check(self, request: dict, adapters: list, *, default_steps: int | None = None) -> contracts.SamplingPlan:
+        """The plan of one request whose active adapters (scale != 0) are ``adapters`` (``LoadedAdapter`` rows,
+        or ``MiniMaxAdapter``); raises ContractViolation naming the field or the file."""
+        active = [getattr(a, "data", a) for a in adapters]
+        contract = contracts.active_contract(self.checkpoint, [a.contract for a in [*self.fused, *active]])
+        plan = contracts.plan(request, contract, default_steps=default_steps)
+        partition = contracts.PARTITION[plan.task_type]
+        for adapter in active:
+            if adapter.partition != partition:
+                raise ContractViolation(
+                    f"{adapter.path.name} binds to {adapter.partition} (task_type {' or '.join(adapter.tasks)});"
+                    f" the request's task_type {plan.task_type!r} denoises with {partition}", param="task_type")
+        for adapter in self.fused:
+            if adapter.partition != partition:
+                raise ContractViolation(
+                    f"{adapter.path.name} is fused into {adapter.partition}; task_type {plan.task_type!r} "
+                    f"denoises with {partition}", param="task_type")
+        return plan
+
+    def engine_options(self, manager) -> dict:
+        """With offload on an accelerator the weights are not where a merge writes them for long (model offload
+        moves whole components, group offload moves blocks, streams onload from pinned copies taken when the hooks
+        were applied, so a write is lost): adapters are served unfused, as forward hooks whose factors live on the
+        compute device, and no weight is written. On a CPU device offload moves nothing (onload and offload device
+        are both the CPU, and streams are refused), so the engine's own rule applies (merge on CPU)."""
+        plan = getattr(getattr(manager, "minimax", None), "offload", None)
+        if plan is None or not plan.active or manager.device.type == "cpu":
+            return {}
+        return {"lora_mode": "unfused", "factor_device": manager.device,
+                "mode_fixed_by": f"{plan.flags()}: adapters run as hooks, base weights are never written"}
+
+    def bind(self, manager, engine) -> None:
+        manager.minimax.attach_engine(engine)  # the runtime's generate serves its adapters with this engine

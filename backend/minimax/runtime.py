@@ -3,14 +3,16 @@
 The PipelineManager owns one of these when the model is MiniMax-H3 (a modular pipeline, which has neither
 `__call__(callback_on_step_end=...)` nor one denoiser per task), and hands `generate` to it.
 
-Adapters:
-- peft: `load_adapter(name, path)` reads the file once (contract, native reorder, alpha), fits it against a
-  meta-device skeleton of its partition with the shared fit check (`backend.lora.fit`: unmatched keys, wrong
-  shapes and nothing bound are refused, naming the keys, before the model is touched), then binds it to its
-  partition under an internal peft name; a request activates a list of (name, scale) with `set_adapters` on that
-  partition and every other adapter off; no adapter, or only adapters at scale 0, = base model (LoRA layers
-  disabled, no contract).
-- distill: `fuse(paths)` once at start: each file fitted, fused into its partition, then the LoRA layers dropped.
+Adapters run on the shared LoRA engine (``backend.lora.engine.LoRAEngine``), the one every pipeline uses; MiniMax-H3
+only adds its family hooks (``adapters.MiniMaxLoRAFamily``: contracts, layouts, grouped-QKV reorder, partition
+routing). docs/ARCHITECTURE.md, "MiniMax-H3 and the LoRA engine", says why and how.
+- peft: every adapter of a request is read and fitted by the engine (the shared fit report; refused by key before
+  the model is touched), the request is checked against the contracts (the family's ``check``), the partition the
+  task needs is loaded, and the engine makes exactly the active set live: an exact merge from pristine copies
+  without offload, forward hooks (no weight written) with offload. No adapter, or only adapters at scale 0, = the
+  base model, bit for bit, with no contract. The engine is the one ``backend.lora.attach(manager)`` builds (the
+  server's worker, Omni), or the runtime's own, built on first use, when none was attached.
+- distill: `fuse(paths)` once at start: each file fitted and added into its partition's weights (W += s B A).
 
 Offload (`offload.py`): checked at construction, applied by `ready()` after start-time fusing (`start()` ends with
 it; the server's worker, which never calls `start()`, reaches it on its first generation).
@@ -18,15 +20,22 @@ it; the server's worker, which never calls `start()`, reaches it on its first ge
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from ..errors import AdapterError, ContractViolation, InvalidParameter
+from ..errors import AdapterError, AdapterNotFound, InvalidParameter
+from ..lora.request import LoRARequest
 from . import contracts, offload as offload_policy, pipeline as mp
-from .adapters import MiniMaxAdapter, fit_partition, read_adapter
+from .adapters import MiniMaxAdapter, MiniMaxLoRAFamily
+
+#: lora_int_ids of adapters named by (name, path, scale) triples (the runtime's own API), clear of request ids
+TRIPLE_ID_BASE = 1 << 29
 
 
 @dataclass
@@ -48,10 +57,11 @@ class MiniMaxRuntime:
         self.checkpoint_contract = contracts.checkpoint_contract(self.path, self.index)
         # With offload the weights stay in CPU memory until `ready()` applies it (after any distill fusing).
         self.pipe = mp.load(self.path, device=None if plan.active else self.device, dtype=dtype, task_type=task_type)
-        self.adapters: dict[str, MiniMaxAdapter] = {}
-        self._peft_names: dict[str, str] = {}  # request name -> peft adapter name (peft refuses dots in names)
-        self._skeletons: dict[str, torch.nn.Module] = {}  # partition -> meta-device copy, for fit reports
-        self.fused: list[MiniMaxAdapter] = []
+        self.family = MiniMaxLoRAFamily(type(self.pipe))  # the engine's hooks for this repository
+        self.family.checkpoint = self.checkpoint_contract
+        self.fused: list[MiniMaxAdapter] = self.family.fused
+        self.engine = None  # backend.lora.engine.LoRAEngine: attached (attach_engine) or built on first use
+        self._requests: dict[str, LoRARequest] = {}  # (name, path, scale) triples: name -> its request
         self._lock = threading.RLock()
 
     @property
@@ -59,14 +69,21 @@ class MiniMaxRuntime:
         return self.offloader.plan
 
     def start(self, lora_backend: str, lora_path=None) -> None:
-        """Start-time adapters (Omni(lora_path=...)): distill fuses them, peft binds them (inactive); then offload."""
+        """Start-time adapters (Omni(lora_path=...)): distill fuses them, peft pre-loads and pins them (inactive);
+        then offload. A start path that attaches the engine itself (``backend.lora.attach(manager, preload=...)``)
+        passes ``lora_path`` only for distill."""
         self.lora_backend = lora_backend
         paths = [lora_path] if isinstance(lora_path, (str, Path)) else list(lora_path or [])
         if lora_backend == "distill":
             self.fuse(paths)
-        else:
-            for path in paths:
-                self.load_adapter(Path(path).stem, path)
+        elif paths:
+            from ..lora import PRELOAD_ID_BASE
+
+            engine = self.lora_engine()
+            for i, path in enumerate(paths):
+                request = LoRARequest(Path(path).stem, PRELOAD_ID_BASE + i, str(path))
+                engine.load(request, pin=True)
+                engine.preloaded.append(request)
         self.ready()
 
     def ready(self) -> None:
@@ -75,143 +92,141 @@ class MiniMaxRuntime:
             self.offloader.apply(self.pipe)
 
     def _ensure_partition(self, task_type: str) -> str:
-        return mp.ensure_partition(self.pipe, task_type, dtype=self.dtype, place=self.offloader.place)
+        partition = mp.ensure_partition(self.pipe, task_type, dtype=self.dtype, place=self.offloader.place)
+        if self.engine is not None:
+            self.engine.add_denoiser(partition, getattr(self.pipe, partition))
+        return partition
 
-    # -- adapters ----------------------------------------------------------------------------------------
-    def _heads(self, partition: str) -> tuple[int, int]:
-        config = self._partition_config(partition)
-        return int(config["num_attention_heads"]), int(config["attention_head_dim"])
+    # -- adapters: the shared engine ---------------------------------------------------------------------
+    def denoisers(self) -> dict[str, torch.nn.Module]:
+        return {p: getattr(self.pipe, p) for p in ("transformer", "transformer_ref") if p in
+                mp.loaded_partitions(self.pipe)}
 
-    def _partition_config(self, partition: str) -> dict:
-        module = getattr(self.pipe, partition, None)
-        if module is not None:
-            return dict(module.config)
-        import json
+    def attach_engine(self, engine) -> None:
+        """Serve this runtime's adapters with ``engine`` (built by ``backend.lora.attach``): its family hooks become
+        this repository's (checkpoint schedule, fused files)."""
+        with self._lock:
+            engine.family = self.family
+            self.engine = engine
 
-        return json.loads((self.path / partition / "config.json").read_text())
+    def lora_engine(self):
+        """The attached engine, or one built here with the defaults (a runtime used on its own, as in tests)."""
+        with self._lock:
+            if self.engine is None:
+                from ..lora.engine import LoRAEngine
 
-    def skeleton(self, partition: str) -> torch.nn.Module:
-        """The partition's architecture on the meta device (from its config): what fit reports are made
-        against, never the loaded module (whose bound peft layers are no longer plain Linear layers)."""
-        if partition not in self._skeletons:
-            from diffusers import MiniMaxH3Transformer3DModel
+                options = self.family.engine_options(SimpleNamespace(minimax=self, device=self.device))
+                self.attach_engine(LoRAEngine(self.pipe, self.denoisers(), model=self.path.name, family=self.family,
+                                              **options))
+            return self.engine
 
-            with torch.device("meta"):
-                self._skeletons[partition] = MiniMaxH3Transformer3DModel.from_config(
-                    self._partition_config(partition))
-        return self._skeletons[partition]
+    def _request(self, name: str, path) -> LoRARequest:
+        """The request for a (name, path) of the runtime's own API; a name given a new path drops the old one."""
+        request = self._requests.get(name)
+        if request is not None and Path(request.lora_path).expanduser() != Path(path).expanduser():
+            self.unload_adapter(name)
+            request = None
+        if request is None:
+            used = {r.lora_int_id for r in self._requests.values()}
+            int_id = next(i for i in range(TRIPLE_ID_BASE, TRIPLE_ID_BASE + len(used) + 1) if i not in used)
+            request = self._requests[name] = LoRARequest(name, int_id, str(path))
+        return request
+
+    @property
+    def adapters(self) -> dict[str, MiniMaxAdapter]:
+        """The adapters the engine holds, by the names they were requested under (contract, partition, report)."""
+        if self.engine is None:
+            return {}
+        return {name: entry.data for name, entry in self.engine.by_name().items()}
 
     def read(self, path, name: str | None = None) -> MiniMaxAdapter:
-        """Read and fit one file; refused (AdapterError naming the keys) before anything touches the model."""
-        # Both partitions share one architecture config in every released repository; read the one on disk.
-        heads, head_dim = self._heads("transformer")
-        adapter = read_adapter(path, num_heads=heads, head_dim=head_dim)
-        return fit_partition(adapter, self.skeleton(adapter.partition),
-                             model=f"{self.path.name} ({adapter.partition})", name=name or Path(path).stem)
+        """Read and fit one file as the engine does; refused (AdapterError naming the keys) before anything touches
+        the model."""
+        from ..lora.adapter import load_adapter
 
-    def _bind(self, adapter: MiniMaxAdapter, peft_name: str) -> None:
-        self._ensure_partition(adapter.tasks[0])
-        self.pipe.load_lora_weights(adapter.state_dict, adapter_name=peft_name,
-                                    load_into_transformer_ref=adapter.partition == "transformer_ref")
+        entry = load_adapter(path, type(self.pipe), self.denoisers(), name=name or Path(path).stem, int_id=0,
+                             model=self.path.name, family=self.family)
+        return entry.data
 
     def load_adapter(self, name: str, path) -> MiniMaxAdapter:
+        """Read, fit and cache one adapter in the engine (nothing is activated)."""
         if self.lora_backend != "peft":
             raise AdapterError("per-request adapters need --lora-backend peft", param="lora_request")
         with self._lock:
-            cached = self.adapters.get(name)
-            if cached is not None and cached.path == Path(path).expanduser():
-                return cached
-            if cached is not None:
-                self.unload_adapter(name)
-            adapter = self.read(path, name)
-            peft_name = f"adapter_{len(self._peft_names)}"
-            while peft_name in self._peft_names.values():
-                peft_name += "_"
-            self._bind(adapter, peft_name)
-            self.adapters[name], self._peft_names[name] = adapter, peft_name
-            self._disable_all()
-            return adapter
+            return self.lora_engine().load(self._request(name, path)).data
 
     def unload_adapter(self, name: str) -> None:
         with self._lock:
-            adapter = self.adapters.pop(name, None)
-            if adapter is not None:
-                getattr(self.pipe, adapter.partition).delete_adapters([self._peft_names.pop(name)])
+            self._requests.pop(name, None)
+            if self.engine is not None:
+                try:
+                    self.engine.unload(name)
+                except AdapterNotFound:
+                    pass
 
     def fuse(self, paths) -> list[MiniMaxAdapter]:
-        """Distill: fuse each file into its partition once (scale 1), then drop the LoRA layers."""
+        """Distill: add each file into its partition's weights once (scale 1: W += scaling * B A, one rounding)."""
         if self.offloader.applied and self.offload.active:
             # The policy's consistency argument for offload rests on fusing before its hooks exist.
             raise AdapterError(f"distill files are fused at start, before {self.offload.flags()} is applied; "
                                "fusing later is not supported", param="lora_path")
         for i, path in enumerate(paths):
-            name = f"distill_{i}"
-            adapter = self.read(path, name)
-            self._bind(adapter, name)
+            adapter = self.read(path, f"distill_{i}")
+            self._ensure_partition(adapter.tasks[0])
             module = getattr(self.pipe, adapter.partition)
-            module.set_adapters([name], [1.0])
-            module.fuse_lora(lora_scale=1.0, adapter_names=[name])
-            module.unload_lora()
+            with self.engine.rebase() if self.engine is not None else contextlib.nullcontext():
+                _fuse(module, adapter)
             self.fused.append(adapter)
         return self.fused
 
-    def _disable_all(self) -> None:
-        for partition in mp.loaded_partitions(self.pipe):
-            module = getattr(self.pipe, partition)
-            if getattr(module, "peft_config", None):
-                module.disable_lora()
-
     def _activate(self, active: list[tuple[MiniMaxAdapter, str, float]], partition: str) -> None:
-        self._disable_all()
-        chosen = [(self._peft_names[name], scale) for adapter, name, scale in active
-                  if adapter.partition == partition]
-        if chosen:
-            module = getattr(self.pipe, partition)
-            module.enable_lora()
-            module.set_adapters([n for n, _ in chosen], [s for _, s in chosen])
+        """Make exactly these (adapter, name, scale) of `partition` active (no generation)."""
+        chosen = [(self._requests[name], scale) for adapter, name, scale in active if adapter.partition == partition]
+        self.lora_engine().activate(chosen)
+
+    def _disable_all(self) -> None:
+        if self.engine is not None:
+            self.engine.deactivate()
 
     # -- generation --------------------------------------------------------------------------------------
     def plan(self, params: dict, active: list[MiniMaxAdapter], *, default_steps: int | None = None):
-        contract = contracts.active_contract(self.checkpoint_contract,
-                                             [a.contract for a in [*self.fused, *active]])
-        return contracts.plan(params, contract, default_steps=default_steps)
+        return self.family.check(params, active, default_steps=default_steps)
 
-    def generate(self, params: dict, *, adapters=(), on_step=None, cancel=None, default_steps=None) -> Generated:
-        """`adapters`: (name, path, scale) triples; `params`: validated generation fields.
+    def generate(self, params: dict, *, adapters=(), on_step=None, cancel=None, default_steps=None,
+                 lora_mode: str | None = None) -> Generated:
+        """`adapters`: (name, path, scale) triples or (LoRARequest, scale) pairs; `params`: validated fields.
 
         Every adapter is read and fitted (a file that does not fit is refused whatever its scale); one at scale 0
         is then left out: it neither changes a weight nor imposes its sampling contract (the base model, bit for
-        bit, as with the merging engine of the other pipelines)."""
+        bit, as with every other pipeline)."""
         with self._lock:
             self.ready()  # a runtime built without start() (the server's worker) offloads here
-            active = []
-            for name, path, scale in adapters:
+            pairs = []
+            for item in adapters:
+                request, scale = (item[0], item[1]) if isinstance(item[0], LoRARequest) else \
+                    (self._request(item[0], item[1]), item[2])
                 if not isinstance(scale, (int, float)) or isinstance(scale, bool):
                     raise InvalidParameter("MiniMax-H3 adapters take one scale (they bind to one partition)",
                                            param="lora_scale")
-                adapter = self.load_adapter(name, path)
-                if float(scale) != 0.0:
-                    active.append((adapter, name, float(scale)))
-            plan = self.plan(params, [a for a, _, _ in active], default_steps=default_steps)
-            partition = contracts.PARTITION[plan.task_type]
-            for adapter, name, _ in active:
-                if adapter.partition != partition:
-                    raise ContractViolation(
-                        f"{adapter.path.name} binds to {adapter.partition} (task_type {' or '.join(adapter.tasks)});"
-                        f" the request's task_type {plan.task_type!r} denoises with {partition}",
-                        param="task_type")
-            for adapter in self.fused:
-                if adapter.partition != partition:
-                    raise ContractViolation(
-                        f"{adapter.path.name} is fused into {adapter.partition}; task_type {plan.task_type!r} "
-                        f"denoises with {partition}", param="task_type")
+                pairs.append((request, float(scale)))
+            if pairs and self.lora_backend != "peft":
+                raise AdapterError("per-request adapters need --lora-backend peft", param="lora_request")
+            engine = self.lora_engine() if pairs else self.engine
+            entries = [engine.load(request) for request, _ in pairs]  # read + fit: refusals touch nothing
+            active = [(entry, request, scale) for entry, (request, scale) in zip(entries, pairs) if scale != 0.0]
+            plan = self.family.check(params, [e for e, _, _ in active], default_steps=default_steps)
             self._ensure_partition(plan.task_type)
-            self._activate(active, partition)
+            applied, calls = [], 0
+            if engine is not None:  # exactly the active set (none: every written layer back to its original)
+                applied = engine.activate([(request, scale) for _, request, scale in active], steps=plan.steps,
+                                          mode=lora_mode)
+                calls = engine.unfused.forward_calls()
             generator = torch.Generator(device="cpu").manual_seed(int(params["seed"]))
-            try:
-                out = mp.run(self.pipe, plan, params, on_step=on_step, cancel=cancel, generator=generator)
-            finally:
-                self._disable_all()
+            started = time.perf_counter()
+            out = mp.run(self.pipe, plan, params, on_step=on_step, cancel=cancel, generator=generator)
+            if engine is not None:  # the merge-or-unfused policy's measured step time
+                engine.unfused.observe_run(time.perf_counter() - started, plan.steps,
+                                           engine.unfused.forward_calls() - calls)
             meta = {
                 "task_type": plan.task_type, "num_inference_steps": plan.steps,
                 "sigmas": list(plan.sigmas) if plan.sigmas else None,
@@ -220,9 +235,39 @@ class MiniMaxRuntime:
                 "contract": plan.contract.describe() if plan.contract else None,
                 "height": out.height, "width": out.width, "num_frames": out.num_frames,
                 "sample_rate": out.audio[1], "fused": [a.path.name for a in self.fused],
-                "active": [name for _, name, _ in active],
+                "applied": applied,
             }
+            if applied:
+                decision = engine.unfused.last_decision
+                meta["lora_mode"] = decision.as_dict() if decision is not None else \
+                    {"mode": "unfused" if engine.unfused.active else "merged"}
             return Generated(frames=out.frames, fps=out.fps, audio=out.audio, metadata=meta)
+
+
+def _fuse(module: torch.nn.Module, adapter: MiniMaxAdapter) -> None:
+    """W += scaling * B A (and the bias term) for every fitted layer, in fp32, one rounding; refused untouched
+    when a result is not finite."""
+    written = []
+    with torch.no_grad():
+        for name, f in adapter.report.bindings[adapter.partition].layers.items():
+            layer = module.get_submodule(name)
+            w = layer.weight
+            new = torch.addmm(w.float(), f.tensors["lora_B.weight"].float().to(w.device),
+                              f.tensors["lora_A.weight"].float().to(w.device), alpha=f.scaling).to(w.dtype)
+            bias = f.tensors.get("lora_B.bias")
+            new_bias = None if bias is None else (layer.bias.float() + bias.float().to(w.device) * f.scaling
+                                                  ).to(layer.bias.dtype)
+            if not bool(torch.isfinite(new).all()) or (new_bias is not None and not bool(torch.isfinite(new_bias).all())):
+                for lyr, w0, b0 in written:
+                    lyr.weight.copy_(w0)
+                    if b0 is not None:
+                        lyr.bias.copy_(b0)
+                raise AdapterError(f"{adapter.path.name}: fusing makes {adapter.partition}.{name} not finite "
+                                   "(inf/nan); refused, the base weights are unchanged", param="lora_path")
+            written.append((layer, w.detach().clone(), None if new_bias is None else layer.bias.detach().clone()))
+            w.copy_(new)
+            if new_bias is not None:
+                layer.bias.copy_(new_bias)
 
 
 #: Fields whose default must wait for the contract: an artifact may pin them, and a default filled in
@@ -230,34 +275,27 @@ class MiniMaxRuntime:
 CONTRACT_FIELDS = ("num_inference_steps", "flow_shift", "audio_flow_shift")
 
 
-def generate_for_manager(manager, request: dict, *, adapters=None, defaults=None, on_step=None, cancel=None):
+def generate_for_manager(manager, request: dict, *, adapters=None, defaults=None, on_step=None, cancel=None,
+                         lora_mode: str | None = None):
     """PipelineManager.generate for MiniMax-H3: validate, check the contract, run, and wrap the result."""
-    import time
-
     from ..manager import GenerationResult
 
     started = time.time()
+    if "lora_mode" in request:  # a request field (HTTP): merge or unfused, not a pipeline argument
+        request = dict(request)
+        field_mode = request.pop("lora_mode")
+        lora_mode = field_mode if lora_mode is None else lora_mode
     params = manager.validate(request, defaults)
     merged_defaults = {**manager.spec.defaults, **manager.defaults, **(defaults or {})}
     for name in CONTRACT_FIELDS:
         params[name] = request.get(name)
-    triples = [(req.lora_name, req.lora_path, scale) for req, scale in (adapters or [])]
-    out = manager.minimax.generate(params, adapters=triples, on_step=on_step, cancel=cancel,
-                                   default_steps=merged_defaults.get("num_inference_steps"))
-    active = out.metadata.pop("active")
-    applied = [{"name": name, "path": str(path), "scale": scale,
-                "sha256": _sha256(path)} for name, path, scale in triples if name in active]
+    out = manager.minimax.generate(params, adapters=list(adapters or []), on_step=on_step, cancel=cancel,
+                                   default_steps=merged_defaults.get("num_inference_steps"), lora_mode=lora_mode)
+    applied = out.metadata.pop("applied")
+    lora_mode_meta = out.metadata.pop("lora_mode", None)
     shown = {k: v for k, v in params.items() if k not in ("image", "last_image", "references") and v is not None}
     shown.update(out.metadata)
     metadata = manager._metadata(shown, applied, time.time() - started)
+    if lora_mode_meta is not None:  # which way the adapters ran, as for every other pipeline
+        metadata["lora_mode"] = lora_mode_meta
     return GenerationResult(frames=out.frames, fps=out.fps, audio=out.audio, metadata=metadata)
-
-
-def _sha256(path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
