@@ -277,3 +277,32 @@ def test_lora_mode_and_pristine_reach_the_ray_replicas(ray_studio, data_dir):
     meta = job["result"]["metadata"]
     assert meta["lora_mode"]["mode"] == "unfused" and meta["lora_mode"]["requested"] == "unfused", meta["lora_mode"]
     assert meta["engine"]["pristine"]["mode"] == "host", meta["engine"]
+
+
+def test_minimax_distill_through_the_ray_engine(ray_studio, data_dir, tmp_path):
+    """`--engine ray --lora-backend distill --lora-path <turbo>` for MiniMax-H3: the replica fuses through the
+    same start sequence (its runtime), as Omni and the local server do."""
+    import dataclasses
+
+    from backend.engines.ray_engine import DistillPlan, RayEngine
+
+    turbo = _turbo_standin(tmp_path)
+    config = RuntimeConfig(model="demo:minimax-h3", data_dir=str(data_dir), device="cpu", lora_backend="distill",
+                           lora_paths=[turbo])
+    plan = DistillPlan.resolve(config.model, lora_paths=config.lora_paths, data_dir=data_dir)
+    engine_config = dataclasses.replace(ray_studio.supervisor.engine_config, app_name="lora-studio-minimax",
+                                        runtime=config.replace(engine="ray"), lora_backend="distill", distill=plan,
+                                        preload=None, cpus_per_replica=0)
+    engine = RayEngine(engine_config).start()
+    try:
+        outcome = engine.submit({"id": "mm-distill", "model": config.model,
+                                 "params": {"prompt": PROMPT, "seed": SEED}}).wait()
+    finally:
+        engine.stop()
+    assert outcome.status == "succeeded", outcome.error
+    pixels, state, _ = _omni_run(config, {"prompt": PROMPT, "seed": SEED}, tmp_path / "omni.mp4")
+    assert state["fused"] == {"state": "fused", "files": [turbo.name]}
+    assert outcome.result.metadata["params"]["fused"] == [turbo.name]
+    from backend.outputs import save_result
+
+    assert np.array_equal(_pixels(save_result(outcome.result, path=tmp_path / "ray.mp4")), pixels)

@@ -126,6 +126,10 @@ class DistillPlan:
             scales = [f.scale for f in found.files]
         else:
             paths, scales = [Path(p).expanduser() for p in lora_paths], lora_scale
+        if spec.class_name == "MiniMaxH3ModularPipeline":  # its runtime binds each file by its keys, at start
+            files = tuple(AdapterRef(name=p.name, path=str(p.absolute()), sha256=adapter_sha256(p), scale=scales)
+                          for p in paths)
+            return cls(model=model, files=files, preset=None, components=tuple("" for _ in files))
         # a denoiser the checkpoint leaves out (Wan2.1 has no transformer_2) takes no file
         index = resolved.model_index or {}
         present = [c for c in spec.denoisers if not index or (index.get(c) or [None])[0] is not None]
