@@ -255,6 +255,9 @@ def ray_studio(data_dir, demo_path, tmp_path_factory):
 @pytest.mark.parametrize("model", MODELS)
 def test_omni_and_the_ray_engine_start_the_same(model, ray_studio, data_dir, image, tmp_path):
     fields = _fields(model, image)
+    if model != ray_studio.current_model():  # on Ray a job's model alone does not switch what system() names
+        switched = ray_studio.wait(ray_studio.switch_model(model)["id"], timeout=600)
+        assert switched["status"] == "succeeded", switched.get("error")
     job = ray_studio.run("generate", fields, model=model, timeout=600)
     assert job["status"] == "succeeded", job.get("error")
     pixels, state, _ = _omni_run(RuntimeConfig(model=model, data_dir=str(data_dir), **SHARED), fields,
