@@ -213,6 +213,17 @@ GENERATION_FLAGS = {  # CLI flag (dest) -> generation field
 }
 
 
+def runtime_config(args, **extra):
+    """The start flags as the one start config (backend/config.py); a bad value exits 2 naming it."""
+    from backend.config import RuntimeConfig
+
+    return RuntimeConfig(model=getattr(args, "model", DEFAULT_MODEL), lora_paths=args.lora_path,
+                         lora_backend=args.lora_backend, lora_scale=args.lora_scale, preset=args.preset,
+                         device=args.device, dtype=args.dtype, data_dir=args.data_dir, adapter_dirs=args.adapter_dir,
+                         offload=args.offload, offload_stream=args.offload_stream, pristine=args.pristine,
+                         lora_mode=args.lora_mode, quantize=args.quantize, gguf=args.gguf, **extra)
+
+
 def cmd_generate(args) -> int:
     from tqdm import tqdm
 
@@ -230,16 +241,10 @@ def cmd_generate(args) -> int:
 
     if args.lora_backend == "distill":
         _number_scale(args)
-    omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,
-                lora_scale=args.lora_scale, device=args.device, dtype=args.dtype,
-                data_dir=args.data_dir, adapter_dirs=args.adapter_dir, offload=args.offload,
-                offload_stream=args.offload_stream, pristine=args.pristine, lora_mode=args.lora_mode,
-                quantize=args.quantize, gguf=args.gguf)
+    omni = Omni(config=runtime_config(args))  # --preset: fused at start; its sampling defaults fill unset flags
     spec = getattr(omni.manager, "spec", None)
     if args.output and spec is not None:  # an image model cannot write .mp4, nor a video model .png
         check_suffix(args.output, video=str(spec.output).startswith("video"))
-    if args.preset:
-        omni.apply_preset(args.preset)  # fuses its files; its sampling defaults fill unset flags
     fields = {field: getattr(args, flag) for flag, field in GENERATION_FLAGS.items()
               if getattr(args, flag) is not None}
     if args.lora_backend == "peft" and args.lora_path and omni.lora is not None:  # one-shot CLI: pre-loaded ones

@@ -96,6 +96,51 @@ class PipelineManager:
         self.quantized: str | None = None  # how the loaded denoisers are stored ("fp8 (...)", "gguf (Q8_0)")
         self._lock = threading.RLock()
 
+    @classmethod
+    def from_config(cls, config) -> "PipelineManager":
+        """An empty manager for a ``backend.config.RuntimeConfig`` (device, dtype, data dir, offload)."""
+        return cls(device=config.device, dtype=config.dtype, data_dir=config.data_dir, offload=config.offload,
+                   offload_stream=config.offload_stream, quantize=config.quantize, gguf=list(config.gguf))
+
+    # -- the start sequence (docs/ARCHITECTURE.md, "Start path") ----------------------------------
+    def start(self, config, model: str | None = None, *, preset_paths=None) -> None:
+        """The one start sequence: Omni, the local worker and every Ray replica call it.
+
+        Loads ``model`` (default: ``config.model``); the start model then gets its start-time files:
+        ``lora_backend="distill"`` fuses ``config.lora_paths``, ``config.preset`` is fused (both backends);
+        then the PEFT backend attaches the LoRA engine (``config.lora_paths`` pre-loaded and pinned, for the
+        start model only). MiniMax-H3's runtime ``start`` fuses its distill files and applies offload first;
+        its per-request adapters then get the same engine, through the family's hooks (``backend.lora.family``).
+        ``preset_paths``: the preset's files already resolved and checked elsewhere (a Ray replica fuses what
+        the head found). A failure unloads the model: nothing half-started is ever served."""
+        model = model or config.model
+        start_model = config.for_model(model)
+        with self._lock:
+            self.load(model)
+            try:
+                if self.minimax is not None:
+                    if start_model and config.preset:
+                        from . import presets
+
+                        presets.get_preset(config.preset).fits(model, self.spec.class_name)
+                    # distill files fused, then offload applied; per-request adapters go through the shared
+                    # engine below, with the family's hooks (backend/minimax/adapters.py MiniMaxLoRAFamily)
+                    distill = config.lora_backend == "distill" and start_model
+                    self.minimax.start(config.lora_backend, list(config.lora_paths) if distill else [])
+                elif start_model and config.lora_backend == "distill" and config.lora_paths:
+                    self.fuse(list(config.lora_paths), config.lora_scale)
+                if start_model and config.preset and self.minimax is None:
+                    self.apply_preset(config.preset, list(config.adapter_dirs), paths=preset_paths)
+                if config.lora_backend == "peft":
+                    from .lora import attach
+
+                    attach(self, max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
+                           preload=list(config.lora_paths) if start_model else [], pristine=config.pristine,
+                           lora_mode=config.lora_mode)
+            except BaseException:
+                self.unload()
+                raise
+
     # -- loading ---------------------------------------------------------------------------
     def load(self, model_id: str) -> None:
         with self._lock:
@@ -272,6 +317,9 @@ class PipelineManager:
     def fused_state(self) -> dict:
         """``{"state": "base"}`` or ``{"state": "fused", "files", "scales", "checksums", ...}``."""
         with self._lock:
+            if self.minimax is not None and self.minimax.fused:  # MiniMax-H3 fuses through its runtime
+                return {"state": "fused", "files": [{"path": str(a.path), "component": a.partition}
+                                                    for a in self.minimax.fused]}
             if self.fused_base is None:
                 return {"state": "base"}
             return self.fused_base.state()

@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .config import RuntimeConfig
 from .demo import DEFAULT_MODEL
 from .errors import InvalidParameter
 from .lora.request import LoRARequest
 from .lora.schedule import to_json
 from .manager import GenerationResult, PipelineManager
 from .outputs import save_result
-
-LORA_BACKENDS = ("peft", "distill")
 
 
 @dataclass
@@ -35,41 +34,32 @@ class OmniOutput:
 
 
 class Omni:
+    """``config``: a ``backend.config.RuntimeConfig`` to start from as it is (the other arguments are
+    then not used); otherwise the arguments build one. Either way ``PipelineManager.start`` starts it."""
+
     def __init__(self, model: str = DEFAULT_MODEL, lora_path=None, lora_backend: str = "peft",
                  lora_scale: float = 1.0, max_loras: int = 4, max_cpu_loras: int = 16,
                  device: str | None = None, dtype: str | None = None, data_dir=None, adapter_dirs=None,
                  offload: str = "none", offload_stream: bool = False, pristine: str = "auto",
-                 lora_mode: str | None = None, quantize: str | None = None, gguf=None, **kwargs):
+                 lora_mode: str | None = None, preset: str | None = None, quantize: str | None = None,
+                 gguf=None, config: RuntimeConfig | None = None,
+                 **kwargs):
         if kwargs:
             raise InvalidParameter(f"Omni() got unknown argument {sorted(kwargs)[0]!r}", param=sorted(kwargs)[0])
-        if lora_backend not in LORA_BACKENDS:
-            raise InvalidParameter(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {lora_backend!r}",
-                                   param="lora_backend")
-        self.lora_backend = lora_backend
-        # distill fuses one number; a peft adapter's scale may be a schedule (backend/lora/schedule.py)
-        self.lora_scale = float(lora_scale) if lora_backend == "distill" else to_json(lora_scale, "lora_scale")
-        self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
-        self.data_dir = data_dir
-        self.adapter_dirs = list(adapter_dirs or [])
-        # offload: "none" | "model" | "group" (MiniMax-H3; docs/minimax.md, "Offload")
-        # quantize: "fp8" (denoisers stored in fp8); gguf: the transformer from a GGUF file (path, or
-        # {component: path}); adapters then run unfused only (backend/quant.py, docs/lora.md "Quantized bases")
-        self.manager = PipelineManager(device=device, dtype=dtype, data_dir=data_dir, offload=offload,
-                                       offload_stream=offload_stream, quantize=quantize, gguf=gguf)
-        self.manager.load(model)
-        self.model = model
-        self.lora = None
-        if self.manager.minimax is not None:  # MiniMax-H3: distill files fused, then offload applied
-            self.manager.minimax.start(lora_backend, lora_path if lora_backend == "distill" else None)
-        from .lora import attach
-
-        # per-request adapters on both backends (MiniMax-H3's too: its family hooks around the same engine);
-        # with peft, lora_path is pre-loaded and pinned
-        self.lora = attach(self.manager, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
-                           preload=lora_path if lora_backend == "peft" else None, pristine=pristine,
-                           lora_mode=lora_mode)
-        if lora_backend == "distill" and lora_path and self.manager.minimax is None:
-            self.manager.fuse(lora_path, self.lora_scale)  # fused once, here; no LoRARequest needed later
+        if config is None:
+            config = RuntimeConfig(model=model, lora_paths=lora_path, lora_backend=lora_backend,
+                                   lora_scale=lora_scale, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+                                   device=device, dtype=dtype, data_dir=data_dir, adapter_dirs=adapter_dirs,
+                                   offload=offload, offload_stream=offload_stream, pristine=pristine,
+                                   lora_mode=lora_mode, preset=preset, quantize=quantize,
+                                   gguf=gguf)
+        self.config = config
+        self.model, self.lora_backend, self.lora_scale = config.model, config.lora_backend, config.lora_scale
+        self.max_loras, self.max_cpu_loras = config.max_loras, config.max_cpu_loras
+        self.data_dir, self.adapter_dirs = config.data_dir, list(config.adapter_dirs)
+        self.manager = PipelineManager.from_config(config)
+        self.manager.start(config)
+        self.lora = self.manager.lora_engine  # None under distill
 
     def apply_preset(self, preset_id: str) -> dict:
         """Fuse a distill preset's files (adapter dirs, then the HF cache) and use its defaults."""

@@ -15,18 +15,15 @@ import time
 from pathlib import Path
 
 from . import settings
+from .config import RuntimeConfig
 from .errors import AdapterNotFound, InvalidParameter, ModelNotFound, PathNotAllowed, StudioError
 from .jobs.adapters import AdapterResolver
 from .jobs.queue import FINISHED, JobQueue
 from .jobs.supervisor import Supervisor
-from .jobs.worker import WorkerConfig
 from .limits import Limits, check_request, check_text
-from .minimax import offload as offload_policy
 
 from .families import DEFAULT_MODEL
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
-LORA_BACKENDS = ("peft", "distill")
-ENGINES = ("local", "ray")
 
 
 class Studio:
@@ -39,65 +36,36 @@ class Studio:
                  limits: Limits | None = None, pristine: str = "auto",
                  lora_mode: str | None = None, lora_prefetch: int = 2, max_batch: int = 1,
                  quantize: str | None = None, gguf=None):
-        if engine not in ENGINES:
-            raise InvalidParameter(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}", param="engine")
         if engine == "ray" and (replicas < 1 or gpus_per_replica < 0):
             raise InvalidParameter(f"--replicas must be >= 1 and --gpus-per-replica >= 0, got {replicas} and "
                                    f"{gpus_per_replica}", param="replicas" if replicas < 1 else "gpus_per_replica")
-        if lora_backend not in LORA_BACKENDS:
-            raise InvalidParameter(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {lora_backend!r}",
-                                   param="lora_backend")
-        if lora_mode is not None:
-            from .lora.policy import check_mode
-
-            check_mode(lora_mode, "lora_mode")
-        if lora_prefetch < 0:
-            raise InvalidParameter(f"--lora-prefetch must be >= 0, got {lora_prefetch}", param="lora_prefetch")
-        if max_batch < 1:
-            raise InvalidParameter(f"--max-batch must be >= 1, got {max_batch}", param="max_batch")
-        if max_batch > 1 and engine == "ray":
-            raise InvalidParameter("--max-batch applies to --engine local (a Ray replica takes one job at a time)",
-                                   param="max_batch")
-        from . import quant
-
-        qplan = quant.check(quantize, gguf)  # the flags and files, before a worker starts
-        if qplan.active and engine != "local":
-            raise InvalidParameter("--quantize/--gguf: --engine local only", param="gguf" if qplan.gguf else "quantize")
-        if qplan.active and (lora_mode == "merge" or lora_backend == "distill" or preset):
-            what = "--lora-mode merge" if lora_mode == "merge" else "--preset" if preset else "--lora-backend distill"
-            raise quant.refuse_merge(qplan.label(), what, "lora_mode" if lora_mode == "merge" else
-                                     "preset" if preset else "lora_backend")
-        plan = offload_policy.check(offload, stream=offload_stream)  # the flags, before a worker starts
-        offload_policy.check_engine(plan, engine)
         self.data_dir = settings.data_dir(data_dir)
+        self.resolver = AdapterResolver(adapter_dirs, self.data_dir)
+        # the one start config (backend/config.py: every rule across its fields is checked there, once)
+        self.config = RuntimeConfig(
+            model=model, data_dir=str(self.data_dir), device=device, dtype=dtype, lora_backend=lora_backend,
+            lora_paths=lora_paths, lora_scale=lora_scale, preset=preset, max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras, threads=worker_threads,
+            adapter_dirs=[str(r) for r in self.resolver.roots[1:]], offload=offload, offload_stream=offload_stream,
+            env={settings.ENV_VAR: str(self.data_dir)}, pristine=pristine, lora_mode=lora_mode,
+            lora_prefetch=lora_prefetch, engine=engine, max_batch=max_batch, quantize=quantize, gguf=gguf)
         self.model = model
         self.limits = limits or Limits()
         self.lora_backend = lora_backend
         self.preset = preset
-        self.resolver = AdapterResolver(adapter_dirs, self.data_dir)
-        lora_paths = [lora_paths] if isinstance(lora_paths, (str, os.PathLike)) else list(lora_paths or [])
         if lora_backend == "peft":  # pre-loaded and pinned by the worker; requests name them
-            for path in lora_paths:
+            for path in self.config.lora_paths:
                 self.resolver.register_start_file(path)
         self.queue = JobQueue(db_path or settings.jobs_db(self.data_dir), max_queue=max_queue, max_overtake=max_overtake)
         self.recovered = self.queue.recover()
-        self.config = WorkerConfig(
-            model=model, data_dir=str(self.data_dir), device=device, dtype=dtype, lora_backend=lora_backend,
-            lora_paths=tuple(str(p) for p in lora_paths), lora_scale=float(lora_scale), preset=preset,
-            max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
-            adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]), offload=plan.mode,
-            offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)}, pristine=pristine,
-            lora_mode=lora_mode, lora_prefetch=lora_prefetch, max_batch=max_batch,
-            quantize=None if qplan.quantize == "none" else qplan.quantize,
-            gguf=tuple(f"{c}={p}" for c, p in qplan.gguf.items()))
         self.engine = engine
         if engine == "ray":
             from .engines.ray_engine import RayEngineConfig  # imports ray: only for --engine ray
             from .jobs.ray_dispatch import RayDispatcher
 
             ray_cfg = RayEngineConfig(address=ray_address, replicas=replicas, gpus_per_replica=gpus_per_replica,
-                                    device=device, dtype=dtype, data_dir=str(self.data_dir), max_loras=max_loras,
-                                    max_cpu_loras=max_cpu_loras)
+                                      device=device, dtype=dtype, data_dir=str(self.data_dir), max_loras=max_loras,
+                                      max_cpu_loras=max_cpu_loras, runtime=self.config)
             self.supervisor = RayDispatcher(self.queue, self.config, ray_cfg)
         else:
             self.supervisor = Supervisor(self.queue, self.config, job_timeout=self.limits.job_timeout)

@@ -38,7 +38,7 @@ from .. import errors
 from ..errors import AdapterError, AdapterNotFound, Cancelled, InvalidParameter, StudioError
 from ..lora.request import LoRARequest
 
-from ..lora import PRELOAD_ID_BASE, attach as peft_attach
+from ..lora import PRELOAD_ID_BASE
 
 APP_NAME = "lora-studio"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +126,10 @@ class DistillPlan:
             scales = [f.scale for f in found.files]
         else:
             paths, scales = [Path(p).expanduser() for p in lora_paths], lora_scale
+        if spec.class_name == "MiniMaxH3ModularPipeline":  # its runtime binds each file by its keys, at start
+            files = tuple(AdapterRef(name=p.name, path=str(p.absolute()), sha256=adapter_sha256(p), scale=scales)
+                          for p in paths)
+            return cls(model=model, files=files, preset=None, components=tuple("" for _ in files))
         # a denoiser the checkpoint leaves out (Wan2.1 has no transformer_2) takes no file
         routed = route(spec.class_name, list(resolved.denoisers), paths, scales)
         # absolute (replicas run in another cwd), but not resolved: a Hugging Face cache link's
@@ -237,21 +241,17 @@ class AdapterHost:
     talks to the PEFT engine. Verifies each node's copy of an adapter by sha256 before use.
     Slots can share an adapter, so residency is reference-counted per adapter id."""
 
-    def __init__(self, manager, counts: dict, *, max_loras: int = 4, max_cpu_loras: int = 16):
+    def __init__(self, manager, counts: dict):
         self.manager, self.counts = manager, counts
-        self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
         self._hashes: dict[tuple, str] = {}
         self._refs: dict[int, int] = {}
 
-    def model_loaded(self, peft: bool = True, preload: tuple[AdapterRef, ...] = ()) -> None:
-        """A (re)loaded model starts with a fresh PEFT engine (none under --lora-backend distill,
-        as in the local worker) holding only the ``--lora-path`` adapters, pinned."""
+    def model_loaded(self) -> None:
+        """A (re)loaded model (``PipelineManager.start``) starts with a fresh PEFT engine (MiniMax-H3's too,
+        through its family hooks), or none (distill): count what its pre-load read from disk."""
         self._refs.clear()
-        if peft:
-            for ref in preload:
-                self.verify(ref, "--lora-path adapter", "the head")  # never pin a stale or half-copied file
-            engine = peft_attach(self.manager, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras,
-                                 preload=[ref.path for ref in preload])
+        engine = self.manager.lora_engine
+        if engine is not None:
             self.counts["adapter_loads"] += engine.counters["loads_from_disk"]
 
     def verify(self, ref: AdapterRef, what: str = "adapter", wanted_by: str = "the job") -> None:
@@ -309,26 +309,25 @@ class AdapterHost:
 @serve.deployment
 class GenerationReplica:
     def __init__(self, settings: dict):
+        from ..config import RuntimeConfig
         from ..manager import PipelineManager
 
-        self.manager = PipelineManager(device=settings.get("device"), dtype=settings.get("dtype"),
-                                       data_dir=settings.get("data_dir"))
+        # the one start config, as the head built it (lora_paths: the head's absolute, hashed files)
+        self.config = RuntimeConfig(**settings["runtime"])
+        self.manager = PipelineManager.from_config(self.config)
         context = ray.get_runtime_context()
         self.identity = {"replica": serve.get_replica_context().replica_id.unique_id,
                          "actor": context.get_actor_name(), "node": context.get_node_id(),
                          "device": str(self.manager.device)}
         self.counts = {"jobs": 0, "slot_loads": 0, "model_loads": 0, "adapter_loads": 0, "adapter_unloads": 0}
-        self.host = AdapterHost(self.manager, self.counts, max_loras=int(settings.get("max_loras", 4)),
-                                max_cpu_loras=int(settings.get("max_cpu_loras", 16)))
-        self.peft = settings.get("lora_backend", "peft") == "peft"
+        self.host = AdapterHost(self.manager, self.counts)
         self.distill = DistillPlan.from_dict(settings["distill"]) if settings.get("distill") else None
         self.preload = PreloadPlan.from_dict(settings["preload"]) if settings.get("preload") else None
         self._wanted: dict[str, Job] = {}
-        start = self.distill or self.preload
-        if start is not None:
+        if self.distill or self.preload:
             # Load, fuse and pin now, in the constructor: Serve routes nothing to a replica before
             # it returns, so a replica Ray restarts after a crash is ready again before it serves.
-            self._ensure(start.model)
+            self._ensure(self.config.model)
 
         async def load_slot(key: str) -> _Slot:
             job = self._wanted[key]
@@ -341,33 +340,28 @@ class GenerationReplica:
         self._slot = serve.multiplexed(max_num_models_per_replica=int(settings.get("slots_per_replica", 4)))(load_slot)
 
     def _ensure(self, model: str, adapters=()) -> None:
-        """Load the model if this replica holds another one (a slot of a different model was used
-        since), then attach the adapters."""
+        """Start the model (``PipelineManager.start``, the one start sequence) if this replica holds
+        another one (a slot of a different model was used since), then attach the adapters."""
         with self.manager._lock:
             if self.manager.model_id != model:
-                self.manager.load(model)
-                try:
-                    if self.distill is not None and model == self.distill.model:
-                        self._fuse(self.distill)  # as the local worker: fuse first, then PEFT on top
-                    # the --lora-path adapters belong to the start model only, as in the local worker
-                    preload = self.preload.adapters if self.preload is not None and model == self.preload.model else ()
-                    self.host.model_loaded(peft=self.peft, preload=preload)
-                except BaseException:
-                    self.manager.unload()  # never serve it unfused or unpinned: the next job tries again
-                    raise
+                preset_paths = self._check_start_files() if self.config.for_model(model) else None
+                self.manager.start(self.config, model, preset_paths=preset_paths)
+                self.host.model_loaded()
                 self.counts["model_loads"] += 1
             self.host.attach(adapters)
 
-    def _fuse(self, plan: DistillPlan) -> None:
-        """The deployment's distill files, checked on this node by sha256, fused by the manager."""
-        for ref, component in zip(plan.files, plan.components):
-            _standin_on_this_node(plan, ref, component, self.manager.data_dir)
-            self.host.verify(ref, "distill file", "the head")  # never fuse a stale or half-copied file
-        paths = [ref.path for ref in plan.files]
-        if plan.preset:
-            self.manager.apply_preset(plan.preset, paths=paths)
-        else:
-            self.manager.fuse(paths, [ref.scale for ref in plan.files])
+    def _check_start_files(self) -> list[str] | None:
+        """The start model's files, checked on this node against the head's sha256 before anything is
+        fused or pinned; returns the preset's files (fused as the head found them)."""
+        if self.distill is not None:
+            for ref, component in zip(self.distill.files, self.distill.components):
+                _standin_on_this_node(self.distill, ref, component, self.manager.data_dir)
+                self.host.verify(ref, "distill file", "the head")  # never fuse a stale or half-copied file
+        for ref in self.preload.adapters if self.preload is not None else ():
+            self.host.verify(ref, "--lora-path adapter", "the head")  # never pin a stale or half-copied file
+        if self.distill is not None and self.distill.preset:
+            return [ref.path for ref in self.distill.files]
+        return None
 
     async def run(self, job_dict: dict, key: str):
         """Stream {"type": "progress"} events, then one {"type": "result"} or {"type": "error"}."""
@@ -412,10 +406,12 @@ class GenerationReplica:
             engine = self.manager.lora_engine
             resident = {e.name for e in engine.loaded()} if engine else set()  # a pin and its alias share a name
             pinned = engine.stats()["pinned"] if engine else []
+            pristine = engine.pristine_info() if engine else None  # --pristine, as the replica applied it
         # Cumulative counters for this replica, and what this job itself cost (loads it caused).
         result.metadata["engine"] = {"name": "ray", **self.identity, "slot_key": job.slot_key, **self.counts,
                                      "this_job": {k: self.counts[k] - before[k] for k in self.counts if k != "jobs"},
-                                     "resident_adapters": sorted(resident), "pinned_adapters": pinned}
+                                     "resident_adapters": sorted(resident), "pinned_adapters": pinned,
+                                     "pristine": pristine}
         return result
 
 
@@ -457,6 +453,7 @@ class RayEngineConfig:
     max_loras: int = 4  # the PEFT engine's tiers on each replica (as --max-loras / --max-cpu-loras)
     max_cpu_loras: int = 16
     lora_backend: str = "peft"  # "distill": no per-request adapters, as with the local engine
+    runtime: Any = None  # backend.config.RuntimeConfig the server started with (None: built from these fields)
     distill: DistillPlan | None = None  # fused by every replica at start (DistillPlan.resolve, on the head)
     preload: PreloadPlan | None = None  # pinned by every replica at start (PreloadPlan.resolve, on the head)
     multiplex: bool = True  # False routes without regard to slots (the benchmark's baseline)
@@ -558,9 +555,8 @@ class RayEngine:
                **({"LORA_STUDIO_HOME": str(cfg.data_dir)} if cfg.data_dir else {}), **cfg.env}
         actor = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica,
                  "runtime_env": {"env_vars": env}}
-        settings = {"device": cfg.device, "dtype": cfg.dtype, "data_dir": cfg.data_dir,
-                    "slots_per_replica": cfg.slots_per_replica, "max_loras": cfg.max_loras,
-                    "max_cpu_loras": cfg.max_cpu_loras, "lora_backend": cfg.lora_backend,
+        settings = {"runtime": self.runtime_config().model_dump(mode="json"),
+                    "slots_per_replica": cfg.slots_per_replica,
                     "distill": cfg.distill.to_dict() if cfg.distill else None,
                     "preload": cfg.preload.to_dict() if cfg.preload else None}
         replicas = GenerationReplica.options(num_replicas=cfg.replicas, ray_actor_options=actor,
@@ -573,6 +569,25 @@ class RayEngine:
             self._teardown()
             raise StudioError(f"the Ray replicas could not start: {reason}", param="engine") from exc
         return self
+
+    def runtime_config(self):
+        """The start config every replica starts from: the server's (``runtime``), or one built from this
+        config's fields; its start-time files are the plans' (resolved and hashed on the head)."""
+        from ..config import RuntimeConfig
+
+        cfg = self.config
+        base = cfg.runtime or RuntimeConfig(device=cfg.device, dtype=cfg.dtype, data_dir=cfg.data_dir,
+                                            max_loras=cfg.max_loras, max_cpu_loras=cfg.max_cpu_loras,
+                                            lora_backend=cfg.lora_backend)
+        start, scale = cfg.distill or cfg.preload, base.lora_scale
+        if cfg.distill is not None and not cfg.distill.preset:
+            paths = [f.path for f in cfg.distill.files]
+            scale = cfg.distill.files[0].scale if cfg.distill.files else scale
+        else:
+            paths = [a.path for a in cfg.preload.adapters] if cfg.preload is not None else []
+        return base.replace(model=start.model if start is not None else base.model, lora_backend=cfg.lora_backend,
+                            lora_paths=paths, lora_scale=scale, engine="ray",
+                            preset=cfg.distill.preset if cfg.distill is not None else None)
 
     def _replica_failure(self) -> str | None:
         """The last line of the error a replica's constructor raised, as Serve recorded it

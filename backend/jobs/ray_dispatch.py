@@ -197,6 +197,8 @@ class RayDispatcher:
         from ..outputs import save_result
 
         result.metadata["job_id"] = job_id  # metadata["engine"] names the replica that ran it
+        self.info.update(device=result.metadata.get("device") or self.info.get("device"),  # what replicas run
+                         dtype=result.metadata.get("dtype") or self.info.get("dtype"))
         fused, distill = self.info.get("fused") or {}, result.metadata.get("distill")
         if distill and fused.get("state") == "fused":  # what the replicas computed after fusing
             self.info["fused"] = {**fused, "checksums": distill["checksums"],

@@ -8,7 +8,6 @@ with the reason, a new worker is started and the queue continues.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing as mp
 import signal
@@ -34,7 +33,7 @@ class WorkerStartError(StudioError):
 
 
 class Supervisor:
-    def __init__(self, queue: JobQueue, config: worker_mod.WorkerConfig, *, job_timeout: float = 0.0):
+    def __init__(self, queue: JobQueue, config: worker_mod.RuntimeConfig, *, job_timeout: float = 0.0):
         self.queue, self.config = queue, config
         self.job_timeout = float(job_timeout or 0.0)  # seconds a job may run; 0: no limit
         self._job_started = 0.0  # monotonic time the current job was sent
@@ -338,8 +337,8 @@ class Supervisor:
         """A restarted worker comes back with the model and preset the last one had switched to."""
         start = self._start_config
         model = info.get("model") or start.model
-        self.config = dataclasses.replace(start, model=model, preset=info.get("preset"),
-                                          lora_paths=start.lora_paths if model == start.model else ())
+        self.config = start.model_copy(update={"model": model, "preset": info.get("preset"),
+                                               "lora_paths": start.lora_paths if model == start.model else ()})
 
 
 def _exit_reason(code: int | None) -> str:

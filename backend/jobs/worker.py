@@ -21,42 +21,20 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+
+from backend.config import RuntimeConfig
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    model: str
-    data_dir: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    lora_backend: str = "peft"
-    lora_paths: tuple = ()
-    lora_scale: float = 1.0
-    preset: str | None = None
-    max_loras: int = 4
-    max_cpu_loras: int = 16
-    adapter_dirs: tuple = ()
-    offload: str = "none"  # MiniMax-H3: none | model | group (backend/minimax/offload.py)
-    offload_stream: bool = False
-    pristine: str = "auto"  # peft: where the originals of merged layers live (backend/lora/pristine.py)
-    threads: int | None = None  # torch CPU threads (None: torch's default)
-    env: dict = field(default_factory=dict)
-    lora_mode: str | None = None  # auto | merge | unfused (None: auto on CUDA, merge on CPU)
-    lora_prefetch: int = 2  # upcoming queued jobs whose adapters are read while a job runs (0: off)
-    max_batch: int = 1  # compatible queued generate jobs run as one mixed-adapter batch (backend/batch.py)
-    quantize: str | None = None  # "fp8": denoisers stored in fp8 (backend/quant.py)
-    gguf: tuple = ()  # ("PATH" | "COMPONENT=PATH", ...): denoisers from GGUF files
+#: What the worker is started with: the one start config (backend/config.py), pickled across ``spawn``.
+WorkerConfig = RuntimeConfig
 
 
 class _Worker:
-    def __init__(self, conn, cancel, config: WorkerConfig):
+    def __init__(self, conn, cancel, config: RuntimeConfig):
         from backend.manager import PipelineManager
 
         self.conn, self.cancel, self.config = conn, cancel, config
-        self.manager = PipelineManager(device=config.device, dtype=config.dtype, data_dir=config.data_dir,
-                                       offload=config.offload, offload_stream=config.offload_stream,
-                                       quantize=config.quantize, gguf=list(config.gguf))
+        self.manager = PipelineManager.from_config(config)
         self.engine = None
         self.preset: str | None = None
         self.step_times: list[float] = []
@@ -66,17 +44,13 @@ class _Worker:
 
     # -- model state -----------------------------------------------------------------------------
     def load(self, model_id: str) -> None:
-        """Load a model; the server's start model also gets its fused files / preset."""
-        self.manager.load(model_id)
-        self.engine = None
-        self.preset = None
-        if model_id == self.config.model:
-            if self.config.lora_backend == "distill" and self.config.lora_paths:
-                self._distill().fuse(list(self.config.lora_paths), self.config.lora_scale)
-            if self.config.preset:
-                self._distill().apply_preset(self.config.preset, list(self.config.adapter_dirs))
-                self.preset = self.config.preset
-        self._attach_peft()
+        """Load a model through the one start sequence; the server's start model also gets its
+        start-time files / preset there (PipelineManager.start)."""
+        self.engine, self.preset = None, None
+        self.manager.start(self.config, model_id)
+        self.engine = self.manager.lora_engine
+        if self.config.for_model(model_id):
+            self.preset = self.config.preset
 
     def _distill(self):
         if not hasattr(self.manager, "fuse"):
@@ -93,18 +67,6 @@ class _Worker:
         defaults = manager.apply_preset(preset_id, list(self.config.adapter_dirs)) if preset_id else {}
         self.preset = preset_id
         return {"preset": preset_id, "defaults": defaults, "fused": manager.fused_state()}
-
-    def _attach_peft(self) -> None:
-        if self.config.lora_backend != "peft":
-            return
-        preload = self.config.lora_paths if self.manager.model_id == self.config.model else ()
-        try:
-            from backend.lora import attach
-        except ImportError:  # the PEFT backend is not installed in this build: base model only
-            return
-        self.engine = attach(self.manager, max_loras=self.config.max_loras,
-                             max_cpu_loras=self.config.max_cpu_loras, preload=list(preload),
-                             pristine=self.config.pristine, lora_mode=self.config.lora_mode)
 
     def info(self) -> dict:
         import torch
@@ -411,7 +373,7 @@ class _MemberCancel:
         return self.worker.cancel.is_set() or all(i in self.worker._cancelled for i in self.ids)
 
 
-def main(conn, cancel, config: WorkerConfig, hints=None) -> None:
+def main(conn, cancel, config: RuntimeConfig, hints=None) -> None:
     """Process entry point (must be importable for ``spawn``)."""
     # A terminal's Ctrl-C reaches the whole process group. The server stops this worker itself
     # (Supervisor.stop); dying here mid-job would fail that job instead of leaving it queued.
