@@ -191,7 +191,7 @@ def cmd_generate(args) -> int:
     from backend.lora import prompt_tags
 
     prompt, tags = prompt_tags.split(args.prompt)  # <lora:NAME:WEIGHT>, as in the UI and the HTTP API
-    resolver = AdapterResolver(args.adapter_dir, args.data_dir)
+    resolver = AdapterResolver(args.adapter_dir, args.data_dir, model=args.model)
     tagged = [(a, resolver.by_name(a["name"])) for a in tags]  # unknown names refused before loading
 
     omni = Omni(model=args.model, lora_path=args.lora_path, lora_backend=args.lora_backend,

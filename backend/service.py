@@ -59,7 +59,7 @@ class Studio:
         self.limits = limits or Limits()
         self.lora_backend = lora_backend
         self.preset = preset
-        self.resolver = AdapterResolver(adapter_dirs, self.data_dir)
+        self.resolver = AdapterResolver(adapter_dirs, self.data_dir, model=self.current_model)
         lora_paths = [lora_paths] if isinstance(lora_paths, (str, os.PathLike)) else list(lora_paths or [])
         if lora_backend == "peft":  # pre-loaded and pinned by the worker; requests name them
             for path in lora_paths:
@@ -70,7 +70,7 @@ class Studio:
             model=model, data_dir=str(self.data_dir), device=device, dtype=dtype, lora_backend=lora_backend,
             lora_paths=tuple(str(p) for p in lora_paths), lora_scale=float(lora_scale), preset=preset,
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, threads=worker_threads,
-            adapter_dirs=tuple(str(r) for r in self.resolver.roots[1:]), offload=plan.mode,
+            adapter_dirs=tuple(str(r) for r in self.resolver.adapter_dirs), offload=plan.mode,
             offload_stream=plan.stream, env={settings.ENV_VAR: str(self.data_dir)}, pristine=pristine,
             lora_mode=lora_mode, lora_prefetch=lora_prefetch)
         self.engine = engine
@@ -281,7 +281,7 @@ class Studio:
     # -- adapters --------------------------------------------------------------------------------
     def adapters(self) -> list[dict]:
         """The library, each with its fit for the loaded model; adapters loaded by API name are marked."""
-        rows = _library_rows(self.current_model(), self.resolver.roots[1:], self.data_dir)
+        rows = _library_rows(self.current_model(), self.resolver.adapter_dirs, self.data_dir)
         registered = self.resolver.registered()
         by_path = {v: k for k, v in registered.items()}
         cache = (self.supervisor.info or {}).get("lora_cache") or {}
@@ -440,6 +440,17 @@ class Studio:
             "adapter_roots": [str(r) for r in self.resolver.roots],
         }
 
+    def outputs_dir(self) -> str:
+        """Where result files are written (the UI lets Gradio serve files from here only)."""
+        return str(settings.outputs_dir(self.data_dir))
+
+    @staticmethod
+    def read_settings(path) -> dict | None:
+        """The settings an image made here carries (PNG text chunk, or EXIF in a JPEG/WebP), or None."""
+        from .outputs import read_png_metadata
+
+        return read_png_metadata(path)
+
     def outputs(self, limit: int = 50) -> list[dict]:
         """Finished results, newest first (path + metadata), from the job rows."""
         out = []
@@ -457,7 +468,7 @@ class Studio:
             from . import presets as preset_mod
         except ImportError:  # a build without the distill backend: no presets
             return []
-        return preset_mod.list_presets(data_dir=self.data_dir, adapter_dirs=self.resolver.roots[1:])
+        return preset_mod.list_presets(data_dir=self.data_dir, adapter_dirs=self.resolver.adapter_dirs)
 
     def apply_preset(self, preset_id: str, timeout: float | None = 600.0) -> dict:
         """Fuse a preset into the loaded model (a queued job, so it never lands mid-generation)."""
@@ -484,11 +495,8 @@ def job_error(job: dict) -> StudioError:
 
     if job["status"] == "cancelled":
         return Cancelled(f"job {job['id']} was cancelled", param="job_id")
-    detail = job.get("error_detail") or {}
-    exc = StudioError(job.get("error") or "the job failed", param=detail.get("param"))
-    exc.http_status = int(detail.get("status") or 500)
-    exc.kind = detail.get("type") or "server_error"
-    return exc
+    detail = {"status": 500, "type": "server_error", **(job.get("error_detail") or {})}  # a row with none: 500
+    return StudioError.from_wire(detail, message=job.get("error") or "the job failed")
 
 
 def _cached_repo(model_id: str) -> bool:

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import gradio as gr
 
-from backend import settings
 
 from . import adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, system
 
@@ -139,8 +138,7 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
 
 def output_roots(studio) -> list[str]:
     """Where result files live: Gradio serves files only from these."""
-    root = getattr(studio, "data_dir", None)
-    roots = {str(settings.outputs_dir(root))}
+    roots = {studio.outputs_dir()}
     extra = os.environ.get("LORA_STUDIO_HOME")
     if extra:
         roots.add(str(Path(extra) / "outputs"))

@@ -15,7 +15,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from filelock import FileLock
 
@@ -114,7 +113,7 @@ def _marker(demo: DemoModel) -> dict:
 def _write(demo: DemoModel, out: Path) -> None:
     import torch  # heavy; only needed when building
 
-    from ..manager import quiet_libraries
+    from ..result import quiet_libraries
 
     quiet_libraries()
     with torch.random.fork_rng(devices=[]):

@@ -132,7 +132,7 @@ class _Worker:
 
     # -- jobs ------------------------------------------------------------------------------------
     def run_job(self, job: dict) -> None:
-        from backend.errors import Cancelled, StudioError
+        from backend.errors import Cancelled, ServerError, StorageFull, StudioError, storage_full
 
         job_id = job["id"]
         try:
@@ -140,22 +140,16 @@ class _Worker:
         except Cancelled:
             self.conn.send(("cancelled", job_id, self.info()))
         except StudioError as exc:
-            detail = {"message": exc.message, "status": exc.http_status, "type": exc.kind, "param": exc.param}
-            self.conn.send(("failed", job_id, detail, self.info()))
+            self.conn.send(("failed", job_id, exc.to_wire(), self.info()))
         except Exception as exc:  # a bug or a library error: the job fails, the worker lives on
-            from backend.errors import storage_full
-
             if storage_full(exc):  # a full disk is the operator's to fix, not a bug: 507, no traceback
-                detail = {"message": f"no room to write the output under {self.config.data_dir or 'the data dir'}"
-                                     f" ({exc.strerror})", "status": 507, "type": "insufficient_storage",
-                          "param": None}
-                self.conn.send(("failed", job_id, detail, self.info()))
-                return
-            traceback.print_exc(file=sys.stderr)
-            text = str(exc).strip().splitlines()
-            message = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
-            detail = {"message": message, "status": 500, "type": "server_error", "param": None}
-            self.conn.send(("failed", job_id, detail, self.info()))
+                error = StorageFull(f"no room to write the output under {self.config.data_dir or 'the data dir'}"
+                                    f" ({exc.strerror})")
+            else:
+                traceback.print_exc(file=sys.stderr)
+                text = str(exc).strip().splitlines()
+                error = ServerError(f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": "))
+            self.conn.send(("failed", job_id, error.to_wire(), self.info()))
         else:
             self.conn.send(("done", job_id, result, self.info()))
 

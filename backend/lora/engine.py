@@ -46,6 +46,7 @@ import torch
 
 from ..cpu_tasks import run_tasks
 from ..errors import AdapterError, AdapterNotFound, InvalidParameter
+from ..errors import LayerWriteFailed as _LayerWriteFailed, NonFinite as _NonFinite
 from . import pristine as pristine_mod
 from .adapter import LoadedAdapter, load_adapter
 from .cache import TwoTierCache
@@ -64,16 +65,6 @@ class _DeviceFactors:
     bias: torch.Tensor | None
     scaling: float
     bound: float = math.inf  # r * max|B| * max|A| (+ max|bias|): no element of B @ A is larger
-
-
-class _LayerWriteFailed(Exception):
-    def __init__(self, layer: str, cause: Exception):
-        super().__init__(layer)
-        self.layer, self.cause = layer, cause
-
-
-class _NonFinite(Exception):
-    pass
 
 
 def identity_of(entry: LoadedAdapter) -> Identity:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .engine import _LayerWriteFailed
+from ..errors import LayerWriteFailed as _LayerWriteFailed
 from .policy import DEVICE_DEFAULTS, Decision, PolicyInputs, check_mode, decide
 
 

@@ -234,7 +234,8 @@ def generate_for_manager(manager, request: dict, *, adapters=None, defaults=None
     """PipelineManager.generate for MiniMax-H3: validate, check the contract, run, and wrap the result."""
     import time
 
-    from ..manager import GenerationResult
+    from ..digest import file_sha256
+    from ..result import GenerationResult
 
     started = time.time()
     params = manager.validate(request, defaults)
@@ -246,18 +247,8 @@ def generate_for_manager(manager, request: dict, *, adapters=None, defaults=None
                                    default_steps=merged_defaults.get("num_inference_steps"))
     active = out.metadata.pop("active")
     applied = [{"name": name, "path": str(path), "scale": scale,
-                "sha256": _sha256(path)} for name, path, scale in triples if name in active]
+                "sha256": file_sha256(path)} for name, path, scale in triples if name in active]
     shown = {k: v for k, v in params.items() if k not in ("image", "last_image", "references") and v is not None}
     shown.update(out.metadata)
-    metadata = manager._metadata(shown, applied, time.time() - started)
+    metadata = manager.run_metadata(shown, applied, time.time() - started)
     return GenerationResult(frames=out.frames, fps=out.fps, audio=out.audio, metadata=metadata)
-
-
-def _sha256(path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
