@@ -72,6 +72,11 @@ class PipelineManager:
         self.minimax = None
         self._lock = threading.RLock()
 
+    def exclusive(self):
+        """Hold the pipeline across several calls (each of load, fuse, generate already holds it):
+        ``with manager.exclusive(): ...``. Re-entrant."""
+        return self._lock
+
     # -- loading ---------------------------------------------------------------------------
     def load(self, model_id: str) -> None:
         with self._lock:

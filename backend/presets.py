@@ -226,7 +226,7 @@ def _fields(where: str, table: str, values: dict, spec) -> dict:
         if name not in spec.fields or name in ("prompt", "image", "seed"):
             raise PresetError(f"{where}: unknown key '{table}.{name}' for {spec.class_name}", param=name)
         try:
-            out[name] = param_rules._check(name, value)
+            out[name] = param_rules.check_field(name, value)
         except InvalidParameter as exc:
             raise PresetError(f"{where}: bad value for '{table}.{name}': {exc.message}", param=name) from None
     return out

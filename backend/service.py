@@ -152,7 +152,7 @@ class Studio:
 
     def _check_params(self, params: dict, model: str | None, adapters: list | None = None) -> dict:
         """Reject what the loaded model's spec refuses now (an HTTP 400), before the job is queued."""
-        from .params import FIELDS, IMAGE_FIELDS, _check
+        from .params import FIELDS, IMAGE_FIELDS, check_field
 
         params = {k: v for k, v in params.items() if v is not None}
         if "lora_mode" in params:  # per request: merge or unfused (backend/lora/policy.py; the worker pops it)
@@ -171,7 +171,7 @@ class Studio:
             raise InvalidParameter("'image' must be a path to an image file", param="image")
         for name, value in params.items():  # types and ranges now (400), not in the worker (a failed job)
             if name in FIELDS and name not in IMAGE_FIELDS and name != "references":
-                _check(name, value)
+                check_field(name, value)
         check_request(self.limits, (spec or {}).get("pipeline"), (spec or {}).get("defaults") or {}, params,
                       adapters)
         return params

@@ -120,3 +120,31 @@ def test_backend_never_imports_gradio():
     bad = [f"{known[m].relative_to(ROOT)}:{line} imports {t}" for m, imports in raw.items()
            if m.startswith("backend") for t, line in imports if t.split(".")[0] in ("gradio", "gradio_client", "ui")]
     assert not bad, "\n".join(bad)
+
+
+# Private state reached from another module: the known friends (the unfused path is the engine's
+# other half; torch's hook dicts; diffusers' modular internals). Anything new here is a layer
+# violation: give the owner a public method instead (e.g. PipelineManager.exclusive(),
+# LRUTier.peek(), params.check_field()).
+FRIENDS = {
+    "backend/lora/unfused.py": {"_active_key", "_active_meta", "_changed", "_contributions", "_device_factors",
+                                "_merged", "_params", "_plan", "_refusal", "_unfused_factors",
+                                "_lora_studio_forwards", "_forward_hooks"},
+    "backend/jobs/prefetch.py": {"_device_factors"},
+    "backend/jobs/queue.py": {"_changed", "_db", "_lock"},  # the queue's own helper class
+    "backend/minimax/pipeline.py": {"_load_pipeline_config", "_execution_device"},
+}
+
+
+def test_no_module_reaches_into_another_ones_private_state():
+    bad = []
+    for path in sorted((ROOT / "backend").rglob("*.py")) + sorted((ROOT / "ui").rglob("*.py")) + [ROOT / "app.py"]:
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr not in FRIENDS.get(rel, set()):
+                bad.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, "private attributes read from outside their module:\n  " + "\n  ".join(bad)

@@ -266,7 +266,7 @@ class AdapterHost:
                                    "at start, so per-request 'lora' is refused", param="lora")
         for ref in adapters:
             self.verify(ref)
-        with self.manager._lock:
+        with self.manager.exclusive():
             engine, done = self.manager.lora_engine, []
             try:
                 for ref in adapters:
@@ -282,7 +282,7 @@ class AdapterHost:
                 raise
 
     def release(self, adapters: tuple[AdapterRef, ...]) -> None:
-        with self.manager._lock:  # eviction runs in Serve's executor: never under a running generation
+        with self.manager.exclusive():  # eviction runs in Serve's executor: never under a running generation
             engine = self.manager.lora_engine
             for ref in adapters:
                 left = self._refs.get(ref.int_id, 0) - 1
@@ -335,7 +335,7 @@ class GenerationReplica:
     def _ensure(self, model: str, adapters=()) -> None:
         """Load the model if this replica holds another one (a slot of a different model was used
         since), then attach the adapters."""
-        with self.manager._lock:
+        with self.manager.exclusive():
             if self.manager.model_id != model:
                 self.manager.load(model)
                 try:
@@ -394,7 +394,7 @@ class GenerationReplica:
             self._wanted.pop(key, None)
 
     def _generate(self, slot: _Slot, job: Job, on_step, cancel: threading.Event, before: dict):
-        with self.manager._lock:
+        with self.manager.exclusive():
             if self.manager.model_id != slot.model:  # another slot switched the model: bring this one back
                 self._ensure(slot.model, slot.adapters)
             self.counts["jobs"] += 1
