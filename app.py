@@ -271,16 +271,11 @@ def cmd_serve(args) -> int:
         app = create_app(studio, api_key=args.api_key, login=args.auth,  # one gate for API and UI
                          client_timeout=args.client_timeout)
         on_exit = [studio.stopping]  # Ctrl-C / SIGTERM: end open waits and streams, then close
-        try:
-            from ui import end_streams, mount
-        except ImportError:  # a build without the UI package: the HTTP API alone
-            mount = None
-        if mount is not None:
-            mount(app, studio)  # last, so the API routes keep priority; it takes the app's credentials
-            on_exit.append(lambda: end_streams(app))
+        from ui import end_streams, mount
+
+        mount(app, studio)  # last, so the API routes keep priority; it takes the app's credentials
+        on_exit.append(lambda: end_streams(app))
         if args.share:
-            if mount is None:
-                raise InvalidParameter("--share shares the UI, and this build has no ui package", param="share")
             _share_when_listening(args.host, args.port, app.state.auth.credentials)
         serve(app, host=args.host, port=args.port, on_exit=on_exit, client_timeout=args.client_timeout)
     finally:

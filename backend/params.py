@@ -53,11 +53,6 @@ FIELDS: dict[str, Field] = {
 IMAGE_FIELDS = ("image", "last_image")
 
 
-def register_field(name: str, field: Field) -> None:
-    """Add a generation field defined by another pipeline family (e.g. MiniMax task_type)."""
-    FIELDS[name] = field
-
-
 def validate(spec: PipelineSpec, request: dict, defaults: dict | None = None) -> dict:
     """Return the complete, checked parameter set for one generation.
 

@@ -298,10 +298,8 @@ class Studio:
         base-model family (the publisher's hint, else the loaded model's when the adapter fits it, else
         one its name says: ``family_source`` is metadata, fit or name),
         and whether it can be used here and why not. Headers only, cached by (path, mtime, size)."""
-        try:
-            from .lora import cards
-        except ImportError:  # the PEFT backend is not part of this build: no library
-            return []
+        from .lora import cards
+
         model = self.current_model()
         out = []
         for row in self.adapters():
@@ -373,12 +371,9 @@ class Studio:
                     shutil.copyfile(p, staged / p.name)
             else:
                 shutil.copyfile(srcs[0], staged)
-            try:
-                from .lora.formats import inspect
-            except ImportError:
-                inspect = None
-            if inspect is not None:
-                inspect(staged, name)
+            from .lora.formats import inspect
+
+            inspect(staged, name)
             if os.path.lexists(target):
                 raise InvalidParameter(f"an adapter named {name!r} already exists in the library", param="name")
             os.rename(staged, target)
@@ -464,10 +459,8 @@ class Studio:
 
     # -- presets (distill) -----------------------------------------------------------------------
     def presets(self) -> list[dict]:
-        try:
-            from . import presets as preset_mod
-        except ImportError:  # a build without the distill backend: no presets
-            return []
+        from . import presets as preset_mod
+
         return preset_mod.list_presets(data_dir=self.data_dir, adapter_dirs=self.resolver.adapter_dirs)
 
     def apply_preset(self, preset_id: str, timeout: float | None = 600.0) -> dict:
@@ -516,10 +509,8 @@ def _cached_repo(model_id: str) -> bool:
 
 
 def _library_rows(model, adapter_dirs, data_dir) -> list[dict]:
-    try:
-        from .lora import list_adapters
-    except ImportError:  # the PEFT backend is not part of this build: no library
-        return []
+    from .lora import list_adapters
+
     return list_adapters(model, adapter_dirs, data_dir)
 
 

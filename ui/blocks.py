@@ -69,9 +69,6 @@ PAGE_JS = """
 }
 """
 
-TAB_IDS = ("generate", "compare", "adapters", "presets", "queue", "gallery", "system")
-
-
 def parse_auth(auth) -> tuple[str, str] | None:
     """``"USER:PASS"`` (the --auth flag) or a (user, password) pair (a callable passes through)."""
     if auth is None or isinstance(auth, tuple) or callable(auth):
@@ -138,7 +135,7 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
 
 def output_roots(studio) -> list[str]:
     """Where result files live: Gradio serves files only from these."""
-    roots = {studio.outputs_dir()}
+    roots = {studio.outputs_dir()} if studio is not None else set()
     extra = os.environ.get("LORA_STUDIO_HOME")
     if extra:
         roots.add(str(Path(extra) / "outputs"))

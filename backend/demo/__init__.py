@@ -65,11 +65,6 @@ def is_demo(model_id: str) -> bool:
     return model_id.startswith("demo:")
 
 
-def register(model: DemoModel) -> None:
-    """Add a demo model defined in another module (e.g. MiniMax-H3)."""
-    DEMO_MODELS[model.id] = model
-
-
 def ensure(model_id: str, data_dir: str | os.PathLike | None = None) -> Path:
     """Return the diffusers directory of a demo model, building it on first use."""
     demo = DEMO_MODELS.get(model_id)

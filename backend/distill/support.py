@@ -34,11 +34,6 @@ SUPPORTED: dict[str, DistillSupport] = {s.class_name: s for s in [
 NOISE_ROLE = {"transformer": "high_noise", "transformer_2": "low_noise"}
 
 
-def register(support: DistillSupport) -> None:
-    """Add a pipeline family defined elsewhere (MiniMax-H3 has its own issue)."""
-    SUPPORTED[support.class_name] = support
-
-
 def support_for(class_name: str) -> DistillSupport:
     try:
         return SUPPORTED[class_name]

@@ -113,11 +113,9 @@ class AdapterResolver:
         with self._lock:
             if name in self._registered:
                 return Path(self._registered[name])
-        try:
-            from ..lora.library import find
-        except ImportError:
-            find = None
-        entry = find(name, self.roots[1:], self.data_dir) if find is not None else None
+        from ..lora.library import find
+
+        entry = find(name, self.roots[1:], self.data_dir)
         if entry is None:
             raise AdapterNotFound(f"no adapter named {name!r} in the library or loaded with "
                                   "/v1/load_lora_adapter", param="lora.name")
@@ -183,17 +181,13 @@ def _scale(value, param: str):
 def _check_file(path: Path, param: str) -> None:
     """The adapter's header, configs and alphas, checked now (a 400 naming the file and key) rather
     than by the worker mid-job; cheap: no weight is read and nothing is hashed."""
-    try:
-        from ..lora.formats import check
-    except ImportError:
-        return
+    from ..lora.formats import check
+
     check(path, param)
 
 
 def _inspect(path: Path, name: str) -> None:
     """Read the adapter's header now, so a broken file is refused at load time, not mid-job."""
-    try:
-        from ..lora.formats import inspect
-    except ImportError:
-        return
+    from ..lora.formats import inspect
+
     inspect(path, name)

@@ -65,23 +65,16 @@ class _Worker:
         self.preset = None
         if model_id == self.config.model:
             if self.config.lora_backend == "distill" and self.config.lora_paths:
-                self._distill().fuse(list(self.config.lora_paths), self.config.lora_scale)
+                self.manager.fuse(list(self.config.lora_paths), self.config.lora_scale)
             if self.config.preset:
-                self._distill().apply_preset(self.config.preset, list(self.config.adapter_dirs))
+                self.manager.apply_preset(self.config.preset, list(self.config.adapter_dirs))
                 self.preset = self.config.preset
         self._attach_peft()
-
-    def _distill(self):
-        if not hasattr(self.manager, "fuse"):
-            from backend.errors import StudioError
-
-            raise StudioError("the distill backend is not part of this build", param="lora_backend")
-        return self.manager
 
     def set_preset(self, preset_id: str | None) -> dict:
         """Fuse a preset (or go back to base). The manager takes PEFT adapters off around it and
         the engine adopts the new weights as base, so later adapters merge on top of them."""
-        manager = self._distill()
+        manager = self.manager
         manager.restore_base()
         defaults = manager.apply_preset(preset_id, list(self.config.adapter_dirs)) if preset_id else {}
         self.preset = preset_id
@@ -91,10 +84,8 @@ class _Worker:
         if self.config.lora_backend != "peft":
             return
         preload = self.config.lora_paths if self.manager.model_id == self.config.model else ()
-        try:
-            from backend.lora import attach
-        except ImportError:  # the PEFT backend is not installed in this build: base model only
-            return
+        from backend.lora import attach
+
         self.engine = attach(self.manager, max_loras=self.config.max_loras,
                              max_cpu_loras=self.config.max_cpu_loras, preload=list(preload),
                              pristine=self.config.pristine, lora_mode=self.config.lora_mode)
@@ -122,12 +113,9 @@ class _Worker:
                              "reserved": torch.cuda.memory_reserved(m.device),
                              "max_allocated": torch.cuda.max_memory_allocated(m.device)}
         else:
-            try:
-                import psutil
+            import psutil
 
-                out["memory"] = {"rss": psutil.Process().memory_info().rss}
-            except ImportError:
-                pass
+            out["memory"] = {"rss": psutil.Process().memory_info().rss}
         return out
 
     # -- jobs ------------------------------------------------------------------------------------

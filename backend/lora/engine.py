@@ -195,15 +195,6 @@ class LoRAEngine:
             for k in [k for k, v in table.items() if v == key]:
                 del table[k]
 
-    def prepare(self, adapters) -> None:
-        """Read and fit the adapters of a coming request, so activation later is a short device step.
-
-        Safe to call without the manager's lock (it never touches the model): a server worker
-        calls it before ``PipelineManager.generate``.
-        """
-        for request, _ in adapters or []:
-            self.load(request)
-
     def unload(self, name_or_id) -> None:
         """Forget an adapter (both tiers, pin included). Its merged weights stay until the next switch.
 
@@ -647,12 +638,3 @@ def _resolved(p):
         return Path(p).expanduser().resolve()
     except OSError:
         return Path(p)
-
-
-def _same_path(a, b) -> bool:
-    from pathlib import Path
-
-    try:
-        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-    except OSError:
-        return False

@@ -55,10 +55,8 @@ def available_host_memory() -> int | None:
     fake = os.environ.get("LORA_STUDIO_FAKE_AVAILABLE_MEMORY")
     if fake:
         return int(fake)
-    try:
-        import psutil
-    except ImportError:
-        return None
+    import psutil
+
     return int(psutil.virtual_memory().available)
 
 

@@ -68,11 +68,6 @@ SPECS: dict[str, PipelineSpec] = {s.class_name: s for s in [
 ]}
 
 
-def register(spec: PipelineSpec) -> None:
-    """Add a pipeline family defined elsewhere (e.g. MiniMax-H3's modular pipeline)."""
-    SPECS[spec.class_name] = spec
-
-
 def spec_for(class_name: str) -> PipelineSpec:
     try:
         return SPECS[class_name]
