@@ -73,7 +73,7 @@ def test_load_and_unload_by_name(server):
     _, url = server
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "my-style", "lora_path": FILM})
     assert r.status_code == 200, r.text
-    names = [a["name"] for a in httpx.get(f"{url}/v1/loras").json()["data"]]
+    names = [a["name"] for a in httpx.get(f"{url}/v1/loras", timeout=120).json()["data"]]
     assert "my-style" in names
     assert np.array_equal(_image(url, lora={"name": "my-style"}), _image(url, lora={"path": FILM}))
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "my-style"}).status_code == 200
