@@ -19,7 +19,7 @@ from backend import settings
 from backend.errors import AdapterNotFound, PathNotAllowed
 from backend.jobs.adapters import AdapterResolver
 from backend.lora import demo_adapters
-from ui_fixtures import MODEL, ROOT, app_home, served_app
+from ui_fixtures import MODEL, ROOT, app_home, make_lora, served_app
 
 INK = "qwen-image/qwen-image-ink-kohya.safetensors"
 FAST = {"prompt": "a lighthouse", "height": 64, "width": 64, "num_inference_steps": 2, "true_cfg_scale": 1.0,
@@ -30,16 +30,29 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if not p.is_dir()) if folder.exists() else []
 
 
-def test_adapters_command_without_a_model_builds_nothing(tmp_path):
+def _adapters_cli(home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "app.py", "adapters", "--data-dir", str(home)], cwd=ROOT,
+                          env={**os.environ, "LORA_STUDIO_HOME": str(home)}, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_adapters_command_without_a_model_builds_nothing(tmp_path, demo_path):
     home = tmp_path / "home"
-    r = subprocess.run([sys.executable, "app.py", "adapters", "--data-dir", str(home)], cwd=ROOT,
-                       env={**os.environ, "LORA_STUDIO_HOME": str(home)}, capture_output=True, text=True,
-                       timeout=600)
+    r = _adapters_cli(home)
     assert r.returncode == 0, r.stderr[-2000:]
     assert not (home / "models").exists(), "a demo model was built"
     assert _files(home / "adapters") == [], "files were written into the user's adapter library"
     assert not (home / "demo").exists()
     assert "no adapters found" in r.stdout
+    # the user's own library, a refused file first: listed as it is, nothing written beside it
+    mine = [home / "adapters" / "a-old.ckpt", make_lora(demo_path(MODEL), home / "adapters" / "b-style.safetensors")]
+    mine[0].write_bytes(b"\x80\x04")
+    r = _adapters_cli(home)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["name", "format", "rank", "alpha", "size", "sha256", "fit"], r.stdout
+    assert "a-old" in lines[1] and "pickle" in lines[1] and lines[2].startswith("b-style "), r.stdout
+    assert _files(home / "adapters") == sorted(mine) and not (home / "models").exists()
 
 
 def test_demo_adapters_are_in_the_demo_root_and_listed_only_for_demo_models(library, data_dir):

@@ -264,8 +264,9 @@ def _fit_row(model: str, entry: LibraryEntry, skeleton) -> dict:
 
 def format_rows(rows: list[dict]) -> str:
     """A plain-text table of ``library_rows`` for the terminal."""
-    cols = ["name", "format", "rank", "alpha", "size", "sha256"] + (["fit"] if rows and "fit" in rows[0] else [])
-    cells = [[(r[c][:12] if c == "sha256" else str(r[c])) for c in cols] for r in rows]
+    # without a model only refused rows carry a fit (their reason): the column is there if any row has one
+    cols = ["name", "format", "rank", "alpha", "size", "sha256"] + (["fit"] if any("fit" in r for r in rows) else [])
+    cells = [[(r[c][:12] if c == "sha256" else str(r.get(c, "-"))) for c in cols] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
     widths[-1] = len(cols[-1])  # the last column runs free
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
