@@ -236,7 +236,7 @@ def cmd_generate(args) -> int:
     from backend.lora import prompt_tags
 
     prompt, tags = prompt_tags.split(args.prompt)  # <lora:NAME:WEIGHT>, as in the UI and the HTTP API
-    resolver = AdapterResolver(args.adapter_dir, args.data_dir)
+    resolver = AdapterResolver(args.adapter_dir, args.data_dir, model=args.model)
     tagged = [(a, resolver.by_name(a["name"])) for a in tags]  # unknown names refused before loading
 
     if args.lora_backend == "distill":
@@ -315,16 +315,11 @@ def cmd_serve(args) -> int:
         app = create_app(studio, api_key=args.api_key, login=args.auth,  # one gate for API and UI
                          client_timeout=args.client_timeout)
         on_exit = [studio.stopping]  # Ctrl-C / SIGTERM: end open waits and streams, then close
-        try:
-            from ui import end_streams, mount
-        except ImportError:  # a build without the UI package: the HTTP API alone
-            mount = None
-        if mount is not None:
-            mount(app, studio)  # last, so the API routes keep priority; it takes the app's credentials
-            on_exit.append(lambda: end_streams(app))
+        from ui import end_streams, mount
+
+        mount(app, studio)  # last, so the API routes keep priority; it takes the app's credentials
+        on_exit.append(lambda: end_streams(app))
         if args.share:
-            if mount is None:
-                raise InvalidParameter("--share shares the UI, and this build has no ui package", param="share")
             _share_when_listening(args.host, args.port, app.state.auth.credentials)
         serve(app, host=args.host, port=args.port, on_exit=on_exit, client_timeout=args.client_timeout)
     finally:

@@ -49,7 +49,7 @@ def generate_batch(manager, requests: list[dict], adapter_sets: list, *, on_step
 
     if len(requests) != len(adapter_sets) or not requests:
         raise InvalidParameter("a batch needs one adapter set per request", param="batch")
-    with manager._lock:
+    with manager.exclusive():
         if manager.minimax is not None:
             raise InvalidParameter(f"{manager.model_id} has its own runtime; its requests run one by one",
                                    param="batch")
@@ -94,7 +94,7 @@ def generate_batch(manager, requests: list[dict], adapter_sets: list, *, on_step
                 r = GenerationResult(frames=list(output.frames[i]), fps=p.get("fps", 16))
             else:
                 r = GenerationResult(images=[output.images[i]])
-            r.metadata = manager._metadata(p, metas[i], seconds)
+            r.metadata = manager.run_metadata(p, metas[i], seconds)
             r.metadata["batch"] = {"size": n, "index": i}
             if metas[i]:
                 r.metadata["lora_mode"] = {"mode": "unfused", "requested": "batch",

@@ -40,24 +40,8 @@ def _rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
-
-
-def _mean_time(fn, repeats: int) -> float:
-    t = time.perf_counter()
-    for i in range(repeats):
-        fn(i)
-    return (time.perf_counter() - t) / repeats
 
 
 def _loadavg() -> str:
@@ -97,8 +81,6 @@ def _interleaved(fns: dict, rounds: int) -> dict:
 
 class LoraBench:
     def __init__(self, args):
-        from diffusers import WanTransformer3DModel
-
         self.args = args
         torch.manual_seed(0)
         self.model = self.build(args.width, args.layers)

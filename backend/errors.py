@@ -1,7 +1,14 @@
 """Typed errors. Every error a user can cause is a StudioError with a message that
 names the file, key or field at fault; front ends map ``http_status`` and ``kind``
-onto their own shapes (OpenAI error JSON, exit code 2, a UI message)."""
+onto their own shapes (OpenAI error JSON, exit code 2, a UI message).
+
+Every error class is defined here and registered in ``ERRORS`` (class name -> class), so an
+error crosses a process boundary (worker pipe, Ray stream, the job row) one way:
+``exc.to_wire()`` there, ``StudioError.from_wire(d)`` here gives the same class, message,
+param, status and type back."""
 from __future__ import annotations
+
+ERRORS: dict[str, type["StudioError"]] = {}  # class name -> class: every StudioError, for from_wire
 
 
 class StudioError(Exception):
@@ -14,6 +21,38 @@ class StudioError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        ERRORS[cls.__name__] = cls
+
+    def to_wire(self) -> dict:
+        """Plain JSON: {"class", "message", "status", "type", "param"} (the job row keeps all but message
+        in ``error_detail``)."""
+        return {"class": type(self).__name__, "message": self.message, "status": self.http_status,
+                "type": self.kind, "param": self.param}
+
+    @staticmethod
+    def from_wire(d: dict, message: str | None = None) -> "StudioError":
+        """The error ``to_wire`` described: its class (StudioError if unknown, e.g. a row written by an
+        older version), message (``message`` if given: a job row keeps it apart), param, status, type."""
+        cls = ERRORS.get(d.get("class") or "", StudioError)
+        exc = cls(message if message is not None else d.get("message") or "the job failed", param=d.get("param"))
+        if d.get("status") is not None and int(d["status"]) != cls.http_status:
+            exc.http_status = int(d["status"])
+        if d.get("type") and d["type"] != cls.kind:
+            exc.kind = d["type"]
+        return exc
+
+
+ERRORS["StudioError"] = StudioError
+
+
+class ServerError(StudioError):
+    """A bug or a library failure (not the user's to fix): the message names the exception."""
+
+    http_status = 500
+    kind = "server_error"
 
 
 class InvalidParameter(StudioError):
@@ -72,6 +111,65 @@ class StorageFull(StudioError):
 
     http_status = 507
     kind = "insufficient_storage"
+
+
+class PresetError(StudioError):
+    """A preset file is malformed (names the file and the key)."""
+
+
+class InsufficientMemory(StudioError):
+    """The pristine copies of the written layers do not fit where they must be kept."""
+
+    http_status = 507
+
+
+class QueueFull(StudioError):
+    http_status = 429
+    kind = "rate_limit_error"
+
+
+class JobNotFound(StudioError):
+    http_status = 404
+    kind = "not_found_error"
+
+
+class StoreError(StudioError):
+    """The job store cannot be used as it is (corrupt, or written by a newer LoRA Studio)."""
+
+    http_status = 500
+    kind = "server_error"
+
+
+class WorkerStartError(StudioError):
+    """The worker could not load the model it was started with."""
+
+
+class Timeout(StudioError):
+    """A job ran past its time limit, or a wait for one did."""
+
+    http_status = 504
+    kind = "timeout"
+
+
+class BodyTooLarge(StudioError):
+    http_status = 413
+
+
+class BodyTooSlow(StudioError):
+    http_status = 408
+
+
+class LayerWriteFailed(Exception):
+    """Internal to the LoRA engine (merge and unfused): writing one layer failed; the engine rolls
+    back and turns it into an AdapterError naming the layer. Never crosses a process boundary."""
+
+    def __init__(self, layer: str, cause: Exception):
+        super().__init__(layer)
+        self.layer, self.cause = layer, cause
+
+
+class NonFinite(Exception):
+    """Internal to the LoRA engine: a layer's new weights would not be finite (the cause above)."""
 
 
 # errno values that mean "no room to write": the device is full, a quota, a file-size limit

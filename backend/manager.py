@@ -11,8 +11,7 @@ import gc
 import hashlib
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -22,31 +21,12 @@ from .errors import Cancelled, CorruptModel, InvalidParameter, StudioError, Unsu
 from .minimax import offload as offload_policy
 from .families import Family, PipelineSpec
 from .models import resolve_model
+from .result import GenerationResult, quiet_libraries  # noqa: F401 - both are imported from here too
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
 StepCallback = Callable[[int, int], None]
-
-
-def quiet_libraries() -> None:
-    """Our own progress reporting replaces the libraries' per-component bars and notices."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
-@dataclass
-class GenerationResult:
-    images: list | None = None  # list[PIL.Image]
-    frames: list | None = None  # list[PIL.Image], one per video frame
-    fps: int | None = None
-    audio: Any = None  # (np.ndarray [samples, channels], sample_rate)
-    metadata: dict = field(default_factory=dict)
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -140,6 +120,11 @@ class PipelineManager:
             except BaseException:
                 self.unload()
                 raise
+
+    def exclusive(self):
+        """Hold the pipeline across several calls (each of load, fuse, generate already holds it):
+        ``with manager.exclusive(): ...``. Re-entrant."""
+        return self._lock
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, model_id: str) -> None:
@@ -251,7 +236,7 @@ class PipelineManager:
             if engine is not None:  # the policy's measured step time (and forwards per step)
                 engine.unfused.observe_run(time.perf_counter() - run_started, steps,
                                            engine.unfused.forward_calls() - calls)
-            result.metadata = self._metadata(params, applied, time.time() - started)
+            result.metadata = self.run_metadata(params, applied, time.time() - started)
             if engine is not None and applied:  # which way the adapters ran (each row's "mode" is the engine's)
                 decision = engine.unfused.last_decision
                 mode = "unfused" if engine.unfused.active else "merged"
@@ -343,7 +328,8 @@ class PipelineManager:
             self.fused_base.fused.choices = choices
             return dict(preset.defaults)
 
-    def _metadata(self, params: dict, adapters: list, seconds: float) -> dict:
+    def run_metadata(self, params: dict, adapters: list, seconds: float) -> dict:
+        """A result's metadata: model, pipeline, seed, the params shown, adapters, device, timing."""
         shown = {k: v for k, v in params.items() if k != "image"}
         if "image" in params:
             shown["image_sha256"] = hashlib.sha256(params["image"].tobytes()).hexdigest()

@@ -59,11 +59,6 @@ FIELDS: dict[str, Field] = {
 IMAGE_FIELDS = ("image", "last_image")
 
 
-def register_field(name: str, field: Field) -> None:
-    """Add a generation field defined by another pipeline family (e.g. MiniMax task_type)."""
-    FIELDS[name] = field
-
-
 def validate(spec: PipelineSpec, request: dict, defaults: dict | None = None) -> dict:
     """Return the complete, checked parameter set for one generation.
 
@@ -78,7 +73,7 @@ def validate(spec: PipelineSpec, request: dict, defaults: dict | None = None) ->
     params = {k: v for k, v in {**spec.defaults, **(defaults or {})}.items() if k in spec.fields}
     params.update({k: v for k, v in request.items() if v is not None})
     for name, value in list(params.items()):
-        params[name] = _check(name, value)
+        params[name] = check_field(name, value)
     _size_from_image(spec, params, request)
     for name in sorted(spec.required):
         if params.get(name) is None:
@@ -89,7 +84,8 @@ def validate(spec: PipelineSpec, request: dict, defaults: dict | None = None) ->
     return params
 
 
-def _check(name: str, value):
+def check_field(name: str, value):
+    """One field's value checked (type, range) and normalized; unknown names pass through as they are."""
     field = FIELDS.get(name)
     if field is None:
         return value

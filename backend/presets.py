@@ -16,13 +16,10 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import AdapterNotFound, ContractViolation, InvalidParameter, StudioError
+from . import settings
+from .errors import AdapterNotFound, ContractViolation, InvalidParameter, PresetError
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
-
-
-class PresetError(StudioError):
-    """A preset file is malformed (names the file and the key)."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +27,7 @@ class PresetFile:
     component: str
     repo: str
     pattern: str
-    demo: str  # file name of the demo stand-in
+    demo: str | None  # file name of the demo stand-in (required only when ``models`` names a demo model)
     scale: float = 1.0
 
 
@@ -83,7 +80,7 @@ _TOP = {"id": str, "title": str, "pipeline": str, "models": list, "files": list,
         "requirements": dict, "description": str, "scheduler": dict}
 _REQUIRED_TOP = ("id", "title", "pipeline", "models", "files", "defaults", "requirements")
 _FILE = {"component": str, "repo": str, "pattern": str, "demo": str, "scale": (int, float)}
-_REQUIRED_FILE = ("component", "repo", "pattern", "demo")
+_REQUIRED_FILE = ("component", "repo", "pattern")
 
 
 def load_preset(path: Path) -> Preset:
@@ -118,14 +115,18 @@ def load_preset(path: Path) -> Preset:
         if "/" not in entry["repo"]:
             raise PresetError(f"{where}: key '{ctx}repo' {entry['repo']!r} is not a Hugging Face repo id "
                               f"(owner/name)", param="repo")
+        demos = [m for m in models if m.startswith("demo:")]
+        if "demo" not in entry and demos:
+            raise PresetError(f"{where}: key '{ctx}demo' is required: 'models' names the demo model "
+                              f"{demos[0]} (the stand-in file generated for it)", param="demo")
         for name in ("pattern", "demo"):
-            if not entry[name].endswith(".safetensors") or "/" in entry[name]:
+            if name in entry and (not entry[name].endswith(".safetensors") or "/" in entry[name]):
                 raise PresetError(f"{where}: key '{ctx}{name}' {entry[name]!r} must be a .safetensors file name",
                                   param=name)
-        if not fnmatch.fnmatchcase(entry["demo"], entry["pattern"]):
+        if "demo" in entry and not fnmatch.fnmatchcase(entry["demo"], entry["pattern"]):
             raise PresetError(f"{where}: key '{ctx}demo' {entry['demo']!r} does not match its pattern "
                               f"{entry['pattern']!r} (a stand-in is named like the real file)", param="demo")
-        files.append(PresetFile(entry["component"], entry["repo"], entry["pattern"], entry["demo"],
+        files.append(PresetFile(entry["component"], entry["repo"], entry["pattern"], entry.get("demo"),
                                 float(entry.get("scale", 1.0))))
     if not files:
         raise PresetError(f"{where}: key 'files' must list at least one file", param="files")
@@ -225,7 +226,7 @@ def _fields(where: str, table: str, values: dict, spec) -> dict:
         if name not in spec.fields or name in ("prompt", "image", "seed"):
             raise PresetError(f"{where}: unknown key '{table}.{name}' for {spec.class_name}", param=name)
         try:
-            out[name] = param_rules._check(name, value)
+            out[name] = param_rules.check_field(name, value)
         except InvalidParameter as exc:
             raise PresetError(f"{where}: bad value for '{table}.{name}': {exc.message}", param=name) from None
     return out
@@ -269,8 +270,6 @@ class Located:
 
 
 def _roots(data_dir, adapter_dirs) -> list[Path]:
-    from . import settings
-
     roots = [Path(d).expanduser() for d in (adapter_dirs or [])]
     roots.append(settings.adapters_dir(data_dir))
     return [r for r in roots if r.is_dir()]
@@ -287,11 +286,11 @@ def _is_demo_standin(path: Path) -> bool:
         return False
 
 
-def _in_roots(name_pattern: str, roots: list[Path], demo: bool = False) -> list[Path]:
+def _in_roots(name_pattern: str, roots: list[Path]) -> list[Path]:
     """Every matching file under the first root that has any (several versions or dtypes can)."""
     for root in roots:
         hits = sorted(p for p in root.rglob("*.safetensors") if fnmatch.fnmatchcase(p.name, name_pattern)
-                      and (demo or not _is_demo_standin(p)))
+                      and not _is_demo_standin(p))
         if hits:
             return hits
     return []
@@ -367,8 +366,8 @@ def locate(preset: Preset, model_id: str, data_dir=None, adapter_dirs=None, hf_c
 
                 path = write_demo_file(model_id, f.demo, f.component, data_dir)
             else:
-                hits = _in_roots(f.demo, roots, demo=True)
-                path = hits[-1] if hits else None
+                path = settings.demo_dir(data_dir) / "distill" / f.demo
+                path = path if path.is_file() else None
             found.append(Located(f, path, "demo" if path else "missing"))
             continue
         where, hits = "adapter-dir", _in_roots(f.pattern, roots)
@@ -443,7 +442,8 @@ def format_rows(rows: list[dict]) -> str:
             lines.append(f"  {f['component']}: {f['repo']} {f['pattern']}  {mark}")
             if f.get("choice"):
                 lines.append(f"    {f['choice']}")
-        lines.append(f"  demo stand-in(s), generated on use: {', '.join(f['demo'] for f in row['files'])}")
+        if any(f["demo"] for f in row["files"]):
+            lines.append(f"  demo stand-in(s), generated on use: {', '.join(f['demo'] for f in row['files'])}")
     return "\n".join(lines)
 
 

@@ -40,13 +40,13 @@ class Studio:
             raise InvalidParameter(f"--replicas must be >= 1 and --gpus-per-replica >= 0, got {replicas} and "
                                    f"{gpus_per_replica}", param="replicas" if replicas < 1 else "gpus_per_replica")
         self.data_dir = settings.data_dir(data_dir)
-        self.resolver = AdapterResolver(adapter_dirs, self.data_dir)
+        self.resolver = AdapterResolver(adapter_dirs, self.data_dir, model=self.current_model)
         # the one start config (backend/config.py: every rule across its fields is checked there, once)
         self.config = RuntimeConfig(
             model=model, data_dir=str(self.data_dir), device=device, dtype=dtype, lora_backend=lora_backend,
             lora_paths=lora_paths, lora_scale=lora_scale, preset=preset, max_loras=max_loras,
             max_cpu_loras=max_cpu_loras, threads=worker_threads,
-            adapter_dirs=[str(r) for r in self.resolver.roots[1:]], offload=offload, offload_stream=offload_stream,
+            adapter_dirs=[str(r) for r in self.resolver.adapter_dirs], offload=offload, offload_stream=offload_stream,
             env={settings.ENV_VAR: str(self.data_dir)}, pristine=pristine, lora_mode=lora_mode,
             lora_prefetch=lora_prefetch, engine=engine, max_batch=max_batch, quantize=quantize, gguf=gguf)
         self.model = model
@@ -137,7 +137,7 @@ class Studio:
 
     def _check_params(self, params: dict, model: str | None, adapters: list | None = None) -> dict:
         """Reject what the loaded model's spec refuses now (an HTTP 400), before the job is queued."""
-        from .params import FIELDS, IMAGE_FIELDS, _check
+        from .params import FIELDS, IMAGE_FIELDS, check_field
 
         params = {k: v for k, v in params.items() if v is not None}
         if "lora_mode" in params:  # per request: merge or unfused (backend/lora/policy.py; the worker pops it)
@@ -156,7 +156,7 @@ class Studio:
             raise InvalidParameter("'image' must be a path to an image file", param="image")
         for name, value in params.items():  # types and ranges now (400), not in the worker (a failed job)
             if name in FIELDS and name not in IMAGE_FIELDS and name != "references":
-                _check(name, value)
+                check_field(name, value)
         check_request(self.limits, (spec or {}).get("pipeline"), (spec or {}).get("defaults") or {}, params,
                       adapters)
         return params
@@ -216,7 +216,8 @@ class Studio:
 
     # -- models ----------------------------------------------------------------------------------
     def current_model(self) -> str:
-        return (self.supervisor.info or {}).get("model") or self.model
+        supervisor = getattr(self, "supervisor", None)  # None while the constructor runs
+        return ((supervisor.info if supervisor is not None else None) or {}).get("model") or self.model
 
     def seconds_per_step(self) -> float | None:
         """The worker's recent pace (what an ETA is computed from before a job's first step)."""
@@ -266,7 +267,7 @@ class Studio:
     # -- adapters --------------------------------------------------------------------------------
     def adapters(self) -> list[dict]:
         """The library, each with its fit for the loaded model; adapters loaded by API name are marked."""
-        rows = _library_rows(self.current_model(), self.resolver.roots[1:], self.data_dir)
+        rows = _library_rows(self.current_model(), self.resolver.adapter_dirs, self.data_dir)
         registered = self.resolver.registered()
         by_path = {v: k for k, v in registered.items()}
         cache = (self.supervisor.info or {}).get("lora_cache") or {}
@@ -283,10 +284,8 @@ class Studio:
         base-model family (the publisher's hint, else the loaded model's when the adapter fits it, else
         one its name says: ``family_source`` is metadata, fit or name),
         and whether it can be used here and why not. Headers only, cached by (path, mtime, size)."""
-        try:
-            from .lora import cards
-        except ImportError:  # the PEFT backend is not part of this build: no library
-            return []
+        from .lora import cards
+
         model = self.current_model()
         out = []
         for row in self.adapters():
@@ -358,12 +357,9 @@ class Studio:
                     shutil.copyfile(p, staged / p.name)
             else:
                 shutil.copyfile(srcs[0], staged)
-            try:
-                from .lora.formats import inspect
-            except ImportError:
-                inspect = None
-            if inspect is not None:
-                inspect(staged, name)
+            from .lora.formats import inspect
+
+            inspect(staged, name)
             if os.path.lexists(target):
                 raise InvalidParameter(f"an adapter named {name!r} already exists in the library", param="name")
             os.rename(staged, target)
@@ -426,6 +422,17 @@ class Studio:
             "adapter_roots": [str(r) for r in self.resolver.roots],
         }
 
+    def outputs_dir(self) -> str:
+        """Where result files are written (the UI lets Gradio serve files from here only)."""
+        return str(settings.outputs_dir(self.data_dir))
+
+    @staticmethod
+    def read_settings(path) -> dict | None:
+        """The settings an image made here carries (PNG text chunk, or EXIF in a JPEG/WebP), or None."""
+        from .outputs import read_png_metadata
+
+        return read_png_metadata(path)
+
     def outputs(self, limit: int = 50) -> list[dict]:
         """Finished results, newest first (path + metadata), from the job rows."""
         out = []
@@ -439,11 +446,9 @@ class Studio:
 
     # -- presets (distill) -----------------------------------------------------------------------
     def presets(self) -> list[dict]:
-        try:
-            from . import presets as preset_mod
-        except ImportError:  # a build without the distill backend: no presets
-            return []
-        return preset_mod.list_presets(data_dir=self.data_dir, adapter_dirs=self.resolver.roots[1:])
+        from . import presets as preset_mod
+
+        return preset_mod.list_presets(data_dir=self.data_dir, adapter_dirs=self.resolver.adapter_dirs)
 
     def apply_preset(self, preset_id: str, timeout: float | None = 600.0) -> dict:
         """Fuse a preset into the loaded model (a queued job, so it never lands mid-generation)."""
@@ -470,11 +475,8 @@ def job_error(job: dict) -> StudioError:
 
     if job["status"] == "cancelled":
         return Cancelled(f"job {job['id']} was cancelled", param="job_id")
-    detail = job.get("error_detail") or {}
-    exc = StudioError(job.get("error") or "the job failed", param=detail.get("param"))
-    exc.http_status = int(detail.get("status") or 500)
-    exc.kind = detail.get("type") or "server_error"
-    return exc
+    detail = {"status": 500, "type": "server_error", **(job.get("error_detail") or {})}  # a row with none: 500
+    return StudioError.from_wire(detail, message=job.get("error") or "the job failed")
 
 
 def _cached_repo(model_id: str) -> bool:
@@ -494,10 +496,8 @@ def _cached_repo(model_id: str) -> bool:
 
 
 def _library_rows(model, adapter_dirs, data_dir) -> list[dict]:
-    try:
-        from .lora import list_adapters
-    except ImportError:  # the PEFT backend is not part of this build: no library
-        return []
+    from .lora import list_adapters
+
     return list_adapters(model, adapter_dirs, data_dir)
 
 

@@ -32,6 +32,29 @@ def adapters_dir(root: str | os.PathLike | None = None) -> Path:
     return _sub(root, "adapters")
 
 
+def demo_dir(root: str | os.PathLike | None = None) -> Path:
+    """``<data-dir>/demo``: files generated for the demo models (their adapters in ``adapters/``, the
+    presets' distill stand-ins in ``distill/``). Never the user's adapter library."""
+    return _sub(root, "demo")
+
+
+def demo_adapters_dir(root: str | os.PathLike | None = None) -> Path:
+    """``<data-dir>/demo/adapters``: the demo adapter library, an adapter root for demo models only."""
+    return data_dir(root) / "demo" / "adapters"
+
+
+def adapter_roots(adapter_dirs=(), root: str | os.PathLike | None = None, demo: bool = False) -> list[Path]:
+    """The adapter roots in search order: ``<data-dir>/adapters`` (the library), each ``--adapter-dir``,
+    then, when a demo model is served (``demo``), ``<data-dir>/demo/adapters``; duplicates dropped."""
+    out: list[Path] = []
+    extra = [demo_adapters_dir(root)] if demo else []
+    for p in [adapters_dir(root), *(adapter_dirs or ()), *extra]:
+        p = Path(p).expanduser().resolve()
+        if p not in out:
+            out.append(p)
+    return out
+
+
 def outputs_dir(root: str | os.PathLike | None = None) -> Path:
     return _sub(root, "outputs")
 

@@ -49,7 +49,7 @@ def manager_for(data_dir):
 
 @pytest.fixture(scope="session")
 def library(data_dir):
-    """The demo adapter library (<data-dir>/adapters/demo), written once per session."""
+    """The demo adapter library (<data-dir>/demo/adapters), written once per session."""
     from backend.lora import demo_adapters
 
     return demo_adapters.ensure(data_dir)

@@ -18,8 +18,8 @@ from backend.service import Studio  # noqa: E402
 
 FAST = {"prompt": "a lighthouse", "height": 64, "width": 64, "num_inference_steps": 3, "true_cfg_scale": 1.0,
         "seed": 11}
-INK = "demo/qwen-image/qwen-image-ink-kohya.safetensors"
-FILM = "demo/qwen-image/qwen-image-film-diffusers.safetensors"
+INK = "qwen-image/qwen-image-ink-kohya.safetensors"
+FILM = "qwen-image/qwen-image-film-diffusers.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_aliases_and_name_alone_pick_the_same_adapter(server, data_dir):
     _, url = server
     ref = _image(url, lora={"path": INK})
     for lora in ({"lora_name": "qwen-image-ink-kohya"}, {"adapter": "qwen-image-ink-kohya", "lora_scale": 1.0},
-                 {"local_path": INK, "lora_int_id": 7}, {"lora_path": str(data_dir / "adapters" / INK)},
+                 {"local_path": INK, "lora_int_id": 7}, {"lora_path": str(data_dir / "demo" / "adapters" / INK)},
                  [{"name": "qwen-image-ink-kohya", "scale": 1.0}]):
         assert np.array_equal(_image(url, lora=lora), ref), lora
     # the same object inside extra_body
@@ -73,7 +73,7 @@ def test_load_and_unload_by_name(server):
     _, url = server
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "my-style", "lora_path": FILM})
     assert r.status_code == 200, r.text
-    names = [a["name"] for a in httpx.get(f"{url}/v1/loras").json()["data"]]
+    names = [a["name"] for a in httpx.get(f"{url}/v1/loras", timeout=120).json()["data"]]
     assert "my-style" in names
     assert np.array_equal(_image(url, lora={"name": "my-style"}), _image(url, lora={"path": FILM}))
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "my-style"}).status_code == 200
@@ -87,7 +87,7 @@ def test_broken_adapter_fails_its_job_and_the_next_one_succeeds_on_the_same_weig
     studio, url = server
     base = _image(url)
     broken = data_dir / "adapters" / "broken.safetensors"
-    good = (data_dir / "adapters" / INK).read_bytes()
+    good = (data_dir / "demo" / "adapters" / INK).read_bytes()
     try:
         broken.write_bytes(good[: len(good) // 2])  # a download cut in half: refused at submission
         r = httpx.post(f"{url}/v1/images/generations", json={**FAST, "lora": {"path": "broken.safetensors"}},
@@ -95,7 +95,7 @@ def test_broken_adapter_fails_its_job_and_the_next_one_succeeds_on_the_same_weig
         assert r.status_code == 400, r.text
         assert "broken.safetensors" in r.json()["error"]["message"] and "truncated" in r.json()["error"]["message"]
         # a NaN inside a factor is only seen when the worker reads the weights: that job fails
-        tensors = load_file(str(data_dir / "adapters" / INK))
+        tensors = load_file(str(data_dir / "demo" / "adapters" / INK))
         key = next(k for k in tensors if k.endswith("lora_up.weight"))
         tensors[key][0, 0] = float("nan")
         save_file(tensors, str(broken))
@@ -133,7 +133,7 @@ def test_a_lora_path_given_at_start_is_requested_by_name_even_outside_the_roots(
     demo_adapters.ensure(data_dir)
     outside = tmp_path / "elsewhere" / "my-ink.safetensors"  # not under any adapter root
     outside.parent.mkdir()
-    outside.write_bytes((data_dir / "adapters" / INK).read_bytes())
+    outside.write_bytes((data_dir / "demo" / "adapters" / INK).read_bytes())
     studio = Studio("demo:qwen-image", data_dir=data_dir, device="cpu", worker_threads=1,
                     db_path=tmp_path / "jobs.sqlite", lora_paths=[str(outside)]).start()
     srv = ThreadedServer(create_app(studio)).start()
@@ -166,7 +166,7 @@ def test_a_merge_that_overflows_is_refused_by_name_and_the_base_stays(server, da
 
     studio, url = server
     base = _image(url)
-    film = load_file(str(data_dir / "adapters" / FILM))
+    film = load_file(str(data_dir / "demo" / "adapters" / FILM))
     huge = {k: v.float().sign().where(v != 0, 1.0) * 1e30 for k, v in film.items()}
     path = data_dir / "adapters" / "overflow-1e30.safetensors"
     save_file(huge, str(path))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import struct
 
 from PIL import Image
 

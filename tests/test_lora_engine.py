@@ -130,7 +130,7 @@ def test_format_applies_like_the_libraries(model, relpath, library, managers, en
 # -- exact restore -----------------------------------------------------------------------------------
 def test_base_a_b_base_bit_exact(library, managers, engine_for):
     m = managers("demo:sd3.5")
-    engine = engine_for("demo:sd3.5")
+    engine_for("demo:sd3.5")  # attached to m: its generate activates through it
     a = req(library / "sd3.5/sd35-cheesecake-peft", 1)
     b = req(library / "sd3.5/sd35-watercolor.safetensors", 2)
     pristine = checksums(m)

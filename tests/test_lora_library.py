@@ -33,7 +33,8 @@ def test_listing_shows_fit_for_the_model(library, data_dir, tmp_path):
 
 
 def test_listing_without_model_has_no_fit(library, data_dir):
-    rows = list_adapters(None, data_dir=data_dir)
+    # without a model the demo root is no root: name it as an --adapter-dir to list it
+    rows = list_adapters(None, adapter_dirs=[library], data_dir=data_dir)
     # other tests in the session may drop unreadable files into the shared library for a
     # while; those are listed as refused, every readable adapter carries no fit
     readable = [r for r in rows if r["format"] != "-"]

@@ -18,9 +18,9 @@ from PIL import Image
 from ui_fixtures import served_app
 
 ROOT = Path(__file__).resolve().parents[1]
-INK = "demo/qwen-image/qwen-image-ink-kohya.safetensors"
-FILM = "demo/qwen-image/qwen-image-film-diffusers.safetensors"
-NEON = "demo/qwen-image/qwen-image-neon-peft"
+INK = "qwen-image/qwen-image-ink-kohya.safetensors"
+FILM = "qwen-image/qwen-image-film-diffusers.safetensors"
+NEON = "qwen-image/qwen-image-neon-peft"
 
 
 @pytest.fixture(scope="module")

@@ -162,7 +162,7 @@ def served(data_dir, demo_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hostile(served, data_dir):
     """The --adapter-dir filled with 50 hostile adapters (the server scans on every listing)."""
-    demo = data_dir / "adapters" / "demo" / "qwen-image"
+    demo = data_dir / "demo" / "adapters" / "qwen-image"
     served.expected.update(hostile_library(served.hostile, demo / "qwen-image-ink-kohya.safetensors",
                                            demo / "qwen-image-neon-peft"))
     return served
@@ -213,7 +213,7 @@ def _snapshot(folder: Path) -> set[str]:
 
 # -- 14.3: import writes nowhere but the library ---------------------------------------------------
 def test_import_with_a_hostile_name_writes_nothing_outside_the_library(served, data_dir):
-    neon = data_dir / "adapters" / "demo" / "qwen-image" / "qwen-image-neon-peft"
+    neon = data_dir / "demo" / "adapters" / "qwen-image" / "qwen-image-neon-peft"
     files = [neon / "adapter_config.json", neon / "adapter_model.safetensors"]
     fn, trigger = _fn_index(served.url, "adapters-import")
     library = served.home / "adapters"

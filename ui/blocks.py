@@ -6,7 +6,6 @@ from pathlib import Path
 
 import gradio as gr
 
-from backend import settings
 
 from . import adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, system
 
@@ -69,9 +68,6 @@ PAGE_JS = """
   });
 }
 """
-
-TAB_IDS = ("generate", "compare", "adapters", "presets", "queue", "gallery", "system")
-
 
 def parse_auth(auth) -> tuple[str, str] | None:
     """``"USER:PASS"`` (the --auth flag) or a (user, password) pair (a callable passes through)."""
@@ -139,8 +135,7 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
 
 def output_roots(studio) -> list[str]:
     """Where result files live: Gradio serves files only from these."""
-    root = getattr(studio, "data_dir", None)
-    roots = {str(settings.outputs_dir(root))}
+    roots = {studio.outputs_dir()} if studio is not None else set()
     extra = os.environ.get("LORA_STUDIO_HOME")
     if extra:
         roots.add(str(Path(extra) / "outputs"))

@@ -46,12 +46,6 @@ WIDGETS: tuple[FieldWidget, ...] = (
     FieldWidget("fps", "FPS (fps)", "int", "video", step=1),
 )
 
-BY_NAME = {w.name: w for w in WIDGETS}
-
-# The API endpoint's keyword arguments, in order (prompt and seed come first).
-API_FIELDS: tuple[str, ...] = ("prompt", "negative_prompt", "seed", "height", "width", "num_inference_steps",
-                               "true_cfg_scale", "guidance_scale", "guidance_scale_2", "boundary_ratio",
-                               "flow_shift", "sample_solver", "num_frames", "fps", "task_type")
 
 
 def clean_value(widget: FieldWidget, value):

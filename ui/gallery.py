@@ -6,7 +6,6 @@ from pathlib import Path
 
 import gradio as gr
 
-from backend.outputs import read_png_metadata
 
 from . import views
 from .generate import GenerateTab
@@ -50,7 +49,7 @@ def build(studio, gen: GenerateTab, tabs: gr.Tabs):
         if not path:
             return None, None, ""
         try:
-            m = read_png_metadata(path)
+            m = studio.read_settings(path)
         except Exception as exc:
             return None, None, error_html(f"{Path(path).name} is not a readable PNG ({readable(exc)})")
         if not m:

@@ -6,7 +6,6 @@ the system is shown lives in this one module, so the tabs stay wiring only.
 from __future__ import annotations
 
 import html
-import json
 import logging
 from dataclasses import dataclass, field
 
@@ -315,10 +314,6 @@ def settings_from_metadata(meta: dict) -> dict:
     adapters = [{"name": a.get("name"), "scale": a.get("scale", 1.0)} for a in meta.get("adapters") or []
                 if a.get("name")]
     return {"model": meta.get("model"), "params": params, "adapters": adapters, "preset": meta.get("preset")}
-
-
-def pretty(obj) -> str:
-    return json.dumps(obj, indent=2, default=str)
 
 
 # -- the LoRA browser -------------------------------------------------------------------------

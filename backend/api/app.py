@@ -23,28 +23,15 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import InvalidParameter, StorageFull, StudioError, storage_full
+from ..errors import BodyTooLarge, BodyTooSlow, InvalidParameter, StorageFull, StudioError, Timeout, storage_full
 from ..service import job_error
 from .auth import AuthGate, Credentials, GateConfig
-from .schemas import ChatRequest, GenerationRequest, LoadAdapterRequest, UnloadAdapterRequest
+from .schemas import ChatRequest, GenerationRequest, LoadAdapterRequest, UnloadAdapterRequest, error_body
 from .server import CLIENT_TIMEOUT_S
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_WAIT_S = 3600.0
 log = logging.getLogger("lora_studio.api")
-
-
-class Timeout(StudioError):
-    http_status = 504
-    kind = "timeout"
-
-
-class BodyTooLarge(StudioError):
-    http_status = 413
-
-
-class BodyTooSlow(StudioError):
-    http_status = 408
 
 
 class BodyLimit:
@@ -86,10 +73,6 @@ class BodyLimit:
     async def _refuse(self, scope, receive, send, length: int):
         exc = BodyTooLarge(f"request body of {length}+ bytes is over the {self.max_bytes}-byte limit")
         await _studio_error(exc)(scope, receive, send)
-
-
-def error_body(message: str, kind: str, param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _studio_error(exc: StudioError) -> JSONResponse:

@@ -272,7 +272,7 @@ async def _refuse(scope, receive, send, status: int, message: str, *, challenge:
         return
     from fastapi.responses import JSONResponse
 
-    from .app import error_body
+    from .schemas import error_body
 
     kind = "rate_limit_error" if status == 429 else "invalid_request_error"
     headers = {}

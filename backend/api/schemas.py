@@ -148,3 +148,8 @@ class UnloadAdapterRequest(_Text):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
+
+
+def error_body(message: str, kind: str, param=None, code=None) -> dict:
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

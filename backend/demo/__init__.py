@@ -15,7 +15,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from filelock import FileLock
 
@@ -65,11 +64,6 @@ def is_demo(model_id: str) -> bool:
     return model_id.startswith("demo:")
 
 
-def register(model: DemoModel) -> None:
-    """Add a demo model defined in another module (e.g. MiniMax-H3)."""
-    DEMO_MODELS[model.id] = model
-
-
 def ensure(model_id: str, data_dir: str | os.PathLike | None = None) -> Path:
     """Return the diffusers directory of a demo model, building it on first use."""
     demo = DEMO_MODELS.get(model_id)
@@ -113,7 +107,7 @@ def _marker(demo: DemoModel) -> dict:
 def _write(demo: DemoModel, out: Path) -> None:
     import torch  # heavy; only needed when building
 
-    from ..manager import quiet_libraries
+    from ..result import quiet_libraries
 
     quiet_libraries()
     with torch.random.fork_rng(devices=[]):

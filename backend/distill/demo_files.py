@@ -18,7 +18,7 @@ Each file is written in the publisher's real key layout, so the same converter p
 Shapes are read from the demo model's own checkpoint, and the seed from the file name,
 so the same name gives the same bytes on every machine.
 
-    python -m backend.distill.demo_files [--data-dir DIR]    # writes every preset's stand-ins
+    python -m backend.distill [--data-dir DIR]    # writes every preset's stand-ins (backend/distill/__main__.py)
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .. import settings
 
-# Where generated stand-ins live: inside the default adapter library, in their own folder.
+# Where generated stand-ins live: <data-dir>/demo/distill, beside the demo adapters, never in the library.
 SUBDIR = "distill"
 RANK = 4
 ALPHA = 8.0  # alpha != rank, so the converters' alpha/rank scaling is exercised
@@ -66,7 +66,7 @@ LAYOUTS = {"QwenImagePipeline": "qwen-lightning", "WanPipeline": "lightx2v-wan",
 
 
 def demo_dir(data_dir=None) -> Path:
-    path = settings.adapters_dir(data_dir) / SUBDIR
+    path = settings.demo_dir(data_dir) / SUBDIR
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -182,31 +182,3 @@ def _marker(path: Path) -> str | None:
             return (f.metadata() or {}).get("lora_studio_demo")
     except Exception:
         return None
-
-
-def write_all(data_dir=None) -> list[Path]:
-    """Every stand-in file every preset names (for ``python -m backend.distill.demo_files``)."""
-    from ..presets import load_presets
-
-    written = []
-    for preset in load_presets():
-        for model_id in preset.demo_models:
-            for f in preset.files:
-                written.append(write_demo_file(model_id, f.demo, f.component, data_dir))
-    return written
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m backend.distill.demo_files",
-                                description="write the demo stand-in distill files for every preset")
-    p.add_argument("--data-dir")
-    args = p.parse_args(argv)
-    for path in write_all(args.data_dir):
-        print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

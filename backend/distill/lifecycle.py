@@ -18,7 +18,6 @@ model back at base before the error propagates.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..digest import file_sha256
 from ..errors import AdapterError, CorruptModel, StudioError
 from ..weights import WeightSnapshot, device_digest, digests_equal, module_checksum
 from .support import Assignment, plan, support_for
@@ -62,14 +62,6 @@ class FusedState:
                 "base_checksums": dict(self.base_checksums), "fuse_seconds": round(self.fuse_seconds, 4),
                 "snapshot_bytes": self.snapshot_bytes, "scheduler": self.scheduler,
                 "choices": list(self.choices)}
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class CheckpointFiles:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import os
 import re
 import shutil
@@ -34,7 +33,7 @@ from typing import Any, Iterator
 import ray
 from ray import serve
 
-from .. import errors
+from .. import digest, errors
 from ..errors import AdapterError, AdapterNotFound, Cancelled, InvalidParameter, StudioError
 from ..lora.request import LoRARequest
 
@@ -86,7 +85,7 @@ class Job:
             sha = a.get("sha256") or adapter_sha256(a["path"])
             # No int_id given: derive it from the content, so one adapter has one id on every replica.
             refs.append(AdapterRef(name=a["name"], path=str(a["path"]), sha256=sha, scale=a.get("scale", 1.0),
-                                   int_id=int(a.get("int_id") or int(sha[:7], 16) + 1)))
+                                   int_id=int(a.get("int_id") or digest.lora_int_id(sha))))
         return cls(id=str(job["id"]), model=job["model"], params=dict(job.get("params") or {}),
                    adapters=tuple(refs))
 
@@ -191,19 +190,10 @@ class PreloadPlan:
 
 
 def adapter_sha256(path: str | os.PathLike) -> str:
-    """sha256 of an adapter: the file, or for a PEFT folder its config + weights in name order."""
-    p = Path(path)
-    if not p.exists():
-        raise AdapterError(f"adapter path {p} does not exist", param="path")
-    files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
-    digest = hashlib.sha256()
-    for f in files:
-        if p.is_dir():
-            digest.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
+    """sha256 of an adapter (``backend.digest.adapter_sha256``); a missing one is an AdapterError."""
+    if not Path(path).exists():
+        raise AdapterError(f"adapter path {path} does not exist", param="path")
+    return digest.adapter_sha256(path)
 
 
 # -- driver-side events ---------------------------------------------------------------------------
@@ -274,7 +264,7 @@ class AdapterHost:
                                    "at start, so per-request 'lora' is refused", param="lora")
         for ref in adapters:
             self.verify(ref)
-        with self.manager._lock:
+        with self.manager.exclusive():
             engine, done = self.manager.lora_engine, []
             try:
                 for ref in adapters:
@@ -290,7 +280,7 @@ class AdapterHost:
                 raise
 
     def release(self, adapters: tuple[AdapterRef, ...]) -> None:
-        with self.manager._lock:  # eviction runs in Serve's executor: never under a running generation
+        with self.manager.exclusive():  # eviction runs in Serve's executor: never under a running generation
             engine = self.manager.lora_engine
             for ref in adapters:
                 left = self._refs.get(ref.int_id, 0) - 1
@@ -342,7 +332,7 @@ class GenerationReplica:
     def _ensure(self, model: str, adapters=()) -> None:
         """Start the model (``PipelineManager.start``, the one start sequence) if this replica holds
         another one (a slot of a different model was used since), then attach the adapters."""
-        with self.manager._lock:
+        with self.manager.exclusive():
             if self.manager.model_id != model:
                 preset_paths = self._check_start_files() if self.config.for_model(model) else None
                 self.manager.start(self.config, model, preset_paths=preset_paths)
@@ -386,18 +376,17 @@ class GenerationReplica:
             yield {"type": "result", "images": result.images, "frames": result.frames, "fps": result.fps,
                    "audio": result.audio, "metadata": result.metadata}
         except StudioError as exc:
-            yield {"type": "error", "error_type": type(exc).__name__, "message": exc.message, "param": exc.param,
-                   "replica": self.identity["replica"]}
+            yield {"type": "error", "error": exc.to_wire(), "replica": self.identity["replica"]}
         except Exception as exc:  # a library failure: report it as this job's, the replica lives on
-            yield {"type": "error", "error_type": "StudioError", "param": None, "replica": self.identity["replica"],
-                   "message": f"generation failed on replica {self.identity['replica']}: "
-                              f"{type(exc).__name__}: {_first_line(exc)}"}
+            error = errors.ServerError(f"generation failed on replica {self.identity['replica']}: "
+                                       f"{type(exc).__name__}: {_first_line(exc)}")
+            yield {"type": "error", "error": error.to_wire(), "replica": self.identity["replica"]}
         finally:
             cancel.set()  # a cancelled or abandoned request stops its generation at the next step
             self._wanted.pop(key, None)
 
     def _generate(self, slot: _Slot, job: Job, on_step, cancel: threading.Event, before: dict):
-        with self.manager._lock:
+        with self.manager.exclusive():
             if self.manager.model_id != slot.model:  # another slot switched the model: bring this one back
                 self._ensure(slot.model, slot.adapters)
             self.counts["jobs"] += 1
@@ -512,9 +501,7 @@ class RayJob:
         yield Outcome("failed", error=StudioError("the Ray replica closed the job's stream without a result"))
 
     def _error(self, event: dict) -> Outcome:
-        cls = getattr(errors, event["error_type"], StudioError)
-        cls = cls if isinstance(cls, type) and issubclass(cls, StudioError) else StudioError
-        error = cls(event["message"], param=event["param"])
+        error = StudioError.from_wire(event["error"])
         status = "cancelled" if isinstance(error, Cancelled) else "failed"
         return Outcome(status, error=error, replica=event.get("replica"))
 

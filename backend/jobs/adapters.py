@@ -14,8 +14,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import AdapterNotFound, InvalidParameter, PathNotAllowed
 from .. import settings
+from ..digest import lora_int_id
+from ..errors import AdapterNotFound, InvalidParameter, PathNotAllowed
 
 
 @dataclass(frozen=True)
@@ -30,16 +31,14 @@ class ResolvedAdapter:
 
 
 class AdapterResolver:
-    def __init__(self, adapter_dirs=(), data_dir=None):
+    """``model``: the model served (an id, or a callable giving the one loaded now): while it is a
+    demo model, the demo adapters (``<data-dir>/demo/adapters``) are a root too."""
+
+    def __init__(self, adapter_dirs=(), data_dir=None, model=None):
         self.data_dir = data_dir
-        roots = [settings.adapters_dir(data_dir), *adapter_dirs]
-        self.roots: list[Path] = []
-        for r in roots:
-            p = Path(r).expanduser().resolve()
-            if p not in self.roots:
-                self.roots.append(p)
+        self._model = model if callable(model) else (lambda: model)
+        self.adapter_dirs: list[Path] = settings.adapter_roots(adapter_dirs, data_dir)[1:]  # the --adapter-dirs
         self._registered: dict[str, str] = {}  # name -> resolved path (vLLM's load_lora_adapter)
-        self._ids: dict[str, int] = {}  # resolved path -> stable lora_int_id
         self._lock = threading.Lock()
 
     # -- paths -----------------------------------------------------------------------------------
@@ -62,12 +61,18 @@ class AdapterResolver:
         raise PathNotAllowed(f"adapter path {raw!r} resolves outside the adapter roots "
                              f"({', '.join(map(str, self.roots))})", param=param)
 
+    @property
+    def roots(self) -> list[Path]:
+        """The library first, then each --adapter-dir, then the demo adapters while a demo model is served."""
+        model = self._model()
+        return settings.adapter_roots(self.adapter_dirs, self.data_dir,
+                                      demo=isinstance(model, str) and model.startswith("demo:"))
+
     def _inside(self, real: Path) -> bool:
         return any(real == root or real.is_relative_to(root) for root in self.roots)
 
     def int_id(self, path: Path) -> int:
-        with self._lock:
-            return self._ids.setdefault(str(path), len(self._ids) + 1)
+        return lora_int_id(str(path))
 
     # -- names -----------------------------------------------------------------------------------
     def register(self, name: str, path: str) -> ResolvedAdapter:
@@ -107,11 +112,9 @@ class AdapterResolver:
         with self._lock:
             if name in self._registered:
                 return Path(self._registered[name])
-        try:
-            from ..lora.library import find
-        except ImportError:
-            find = None
-        entry = find(name, self.roots[1:], self.data_dir) if find is not None else None
+        from ..lora.library import find
+
+        entry = find(name, self.roots[1:], self.data_dir)
         if entry is None:
             raise AdapterNotFound(f"no adapter named {name!r} in the library or loaded with "
                                   "/v1/load_lora_adapter", param="lora.name")
@@ -175,17 +178,13 @@ def _scale(value, param: str):
 def _check_file(path: Path, param: str) -> None:
     """The adapter's header, configs and alphas, checked now (a 400 naming the file and key) rather
     than by the worker mid-job; cheap: no weight is read and nothing is hashed."""
-    try:
-        from ..lora.formats import check
-    except ImportError:
-        return
+    from ..lora.formats import check
+
     check(path, param)
 
 
 def _inspect(path: Path, name: str) -> None:
     """Read the adapter's header now, so a broken file is refused at load time, not mid-job."""
-    try:
-        from ..lora.formats import inspect
-    except ImportError:
-        return
+    from ..lora.formats import inspect
+
     inspect(path, name)

@@ -59,7 +59,7 @@ def prefetch(engine, requests, protect=frozenset(), stats: dict | None = None) -
     cache = engine.cache
     kept = {engine.cached_identity(p) for p in protect} - {None}
     for request in requests:
-        with engine._lock:
+        with engine.exclusive():
             kept |= set(cache.pinned) | engine.active_identities()
             key = engine.cached_identity(request)
             victim = None if key is not None else _victim(cache.cpu, key, cache.keep())
@@ -70,7 +70,7 @@ def prefetch(engine, requests, protect=frozenset(), stats: dict | None = None) -
             reads = engine.counters["loads_from_disk"]
             entry = engine.load(request)
             out["read" if engine.counters["loads_from_disk"] != reads else "cached"] += 1
-            with engine._lock:
+            with engine.exclusive():
                 key = engine.cached_identity(request)
                 if key is not None and key not in cache.device:
                     victim = _victim(cache.device, key, cache.keep([key]))

@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..errors import ShuttingDown, StudioError
+from ..errors import JobNotFound, QueueFull, ShuttingDown, StoreError, StudioError
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -30,14 +30,6 @@ BARRIER_KINDS = frozenset({"load_model", "apply_preset", "restore_base"})
 KINDS = frozenset({"generate"}) | BARRIER_KINDS
 
 
-class QueueFull(StudioError):
-    http_status = 429
-    kind = "rate_limit_error"
-
-
-class JobNotFound(StudioError):
-    http_status = 404
-    kind = "not_found_error"
 
 
 def group_key(model: str | None, adapters: list[dict] | None, preset: str | None) -> str:
@@ -77,12 +69,6 @@ CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
 SCHEMA_VERSION = 1
 JSON_COLUMNS = ("params", "adapters", "result", "error_detail")
 
-
-class StoreError(StudioError):
-    """The job store cannot be used as it is (corrupt, or written by a newer LoRA Studio)."""
-
-    http_status = 500
-    kind = "server_error"
 
 
 class JobQueue:
@@ -221,7 +207,7 @@ class JobQueue:
     def finish(self, job_id: str, status: str, *, result: dict | None = None, error: str | None = None,
                error_detail: dict | None = None) -> dict:
         """Record the end of a running job. ``result`` names files that are already durable;
-        ``error_detail`` is {"status", "type", "param"} of the StudioError that failed it."""
+        ``error_detail`` is the ``to_wire()`` of the StudioError that failed it, less its message."""
         if status not in FINISHED:
             raise ValueError(f"finish() takes one of {FINISHED}, got {status!r}")
         with self._tx() as db:
@@ -231,6 +217,11 @@ class JobQueue:
                         json.dumps(error_detail) if error_detail else None, job_id))
         self._wake_async(job_id)
         return self.get(job_id)
+
+    def fail(self, job_id: str, error: StudioError) -> dict:
+        """``finish`` as failed by ``error``: its message, and the rest of its ``to_wire()`` as detail."""
+        wire = error.to_wire()
+        return self.finish(job_id, "failed", error=wire.pop("message"), error_detail=wire)
 
     def cancel(self, job_id: str) -> tuple[dict, bool]:
         """Cancel a queued job now; flag a running one. Returns (job, is_running)."""

@@ -23,9 +23,8 @@ import logging
 import threading
 import time
 
-from ..errors import InvalidParameter, StudioError
+from ..errors import InvalidParameter, ServerError, StudioError, WorkerStartError
 from .queue import BARRIER_KINDS, JobQueue, group_key
-from .supervisor import WorkerStartError
 from .worker import WorkerConfig
 
 log = logging.getLogger("lora_studio.jobs")
@@ -207,12 +206,7 @@ class RayDispatcher:
         self.queue.finish(job_id, "succeeded", result={"path": str(path), "metadata": result.metadata})
 
     def _fail(self, job_id: str, exc: BaseException) -> None:
-        if isinstance(exc, StudioError):
-            message, detail = exc.message, {"status": exc.http_status, "type": exc.kind, "param": exc.param}
-        else:
-            message = f"{type(exc).__name__}: {exc}"
-            detail = {"status": 500, "type": "server_error", "param": None}
-        self.queue.finish(job_id, "failed", error=message, error_detail=detail)
+        self.queue.fail(job_id, exc if isinstance(exc, StudioError) else ServerError(f"{type(exc).__name__}: {exc}"))
 
     def _drain(self) -> None:
         while not self._stop.is_set():

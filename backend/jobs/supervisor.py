@@ -15,7 +15,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-from ..errors import StudioError
+from ..errors import ServerError, StudioError, Timeout, WorkerStartError
 from . import worker as worker_mod
 from .prefetch import hints_for
 from .queue import BARRIER_KINDS, JobQueue, group_key
@@ -26,10 +26,6 @@ RESTART_BACKOFF_S = (0.2, 1.0, 2.0, 5.0, 10.0)
 # --job-timeout: a job is stopped at its next step; one that does not stop this much later (a step
 # or a model load that never ends) has its worker killed, and the worker is restarted
 TIMEOUT_KILL_GRACE_S = 60.0
-
-
-class WorkerStartError(StudioError):
-    """The worker could not load the model it was started with."""
 
 
 class Supervisor:
@@ -271,12 +267,10 @@ class Supervisor:
             if kind == "done":
                 self.queue.finish(job_id, "succeeded", result=msg[2])
             elif kind == "failed":
-                detail = dict(msg[2])
-                self.queue.finish(job_id, "failed", error=detail.pop("message"), error_detail=detail)
+                self.queue.fail(job_id, StudioError.from_wire(msg[2]))
             elif self._timed_out is not None and self._timed_out == (self.current or {}).get("id") \
                     and not self.queue.cancel_requested(job_id):
-                self.queue.finish(job_id, "failed", error=self._timeout_reason(),
-                                  error_detail={"status": 504, "type": "timeout", "param": "job_timeout"})
+                self.queue.fail(job_id, Timeout(self._timeout_reason(), param="job_timeout"))
             else:
                 self.queue.finish(job_id, "cancelled", error="cancelled while running")
             finished = self.running.pop(job_id, None) or self.current
@@ -308,14 +302,11 @@ class Supervisor:
         unfinished = list(self.running) or ([self.current["id"]] if self.current is not None else [])
         for job_id in unfinished:  # every job of the dispatch (a batch fails as one)
             if self.current is not None and self._timed_out == self.current["id"]:
-                self.queue.finish(job_id, "failed",
-                                  error=f"{self._timeout_reason()}; it did not stop, so the worker was restarted",
-                                  error_detail={"status": 504, "type": "timeout", "param": "job_timeout"})
+                self.queue.fail(job_id, Timeout(f"{self._timeout_reason()}; it did not stop, so the worker "
+                                                "was restarted", param="job_timeout"))
             else:
-                self.queue.finish(job_id, "failed",
-                                  error=f"the worker process died ({reason}) while running this job; "
-                                        "it was restarted",
-                                  error_detail={"status": 500, "type": "server_error", "param": None})
+                self.queue.fail(job_id, ServerError(f"the worker process died ({reason}) while running "
+                                                    "this job; it was restarted"))
         self.current, self.running, self._batched = None, {}, False
         self.group = None
         self.conn.close()

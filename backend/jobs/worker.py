@@ -52,17 +52,10 @@ class _Worker:
         if self.config.for_model(model_id):
             self.preset = self.config.preset
 
-    def _distill(self):
-        if not hasattr(self.manager, "fuse"):
-            from backend.errors import StudioError
-
-            raise StudioError("the distill backend is not part of this build", param="lora_backend")
-        return self.manager
-
     def set_preset(self, preset_id: str | None) -> dict:
         """Fuse a preset (or go back to base). The manager takes PEFT adapters off around it and
         the engine adopts the new weights as base, so later adapters merge on top of them."""
-        manager = self._distill()
+        manager = self.manager
         manager.restore_base()
         defaults = manager.apply_preset(preset_id, list(self.config.adapter_dirs)) if preset_id else {}
         self.preset = preset_id
@@ -92,40 +85,22 @@ class _Worker:
                              "reserved": torch.cuda.memory_reserved(m.device),
                              "max_allocated": torch.cuda.max_memory_allocated(m.device)}
         else:
-            try:
-                import psutil
+            import psutil
 
-                out["memory"] = {"rss": psutil.Process().memory_info().rss}
-            except ImportError:
-                pass
+            out["memory"] = {"rss": psutil.Process().memory_info().rss}
         return out
 
     # -- jobs ------------------------------------------------------------------------------------
     def run_job(self, job: dict, cancel=None) -> None:
-        from backend.errors import Cancelled, StudioError
+        from backend.errors import Cancelled
 
         job_id = job["id"]
         try:
             result = self._execute(job, cancel)
         except Cancelled:
             self.conn.send(("cancelled", job_id, self.info()))
-        except StudioError as exc:
-            detail = {"message": exc.message, "status": exc.http_status, "type": exc.kind, "param": exc.param}
-            self.conn.send(("failed", job_id, detail, self.info()))
-        except Exception as exc:  # a bug or a library error: the job fails, the worker lives on
-            from backend.errors import storage_full
-
-            if storage_full(exc):  # a full disk is the operator's to fix, not a bug: 507, no traceback
-                detail = {"message": f"no room to write the output under {self.config.data_dir or 'the data dir'}"
-                                     f" ({exc.strerror})", "status": 507, "type": "insufficient_storage",
-                          "param": None}
-                self.conn.send(("failed", job_id, detail, self.info()))
-                return
-            traceback.print_exc(file=sys.stderr)
-            text = str(exc).strip().splitlines()
-            message = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
-            detail = {"message": message, "status": 500, "type": "server_error", "param": None}
-            self.conn.send(("failed", job_id, detail, self.info()))
+        except Exception as exc:  # the user's error, or a bug / library error: the job fails, the worker lives on
+            self.conn.send(("failed", job_id, self._failure(exc), self.info()))
         else:
             self.conn.send(("done", job_id, result, self.info()))
 
@@ -291,18 +266,18 @@ class _Worker:
         return save_result(result, data_dir=self.config.data_dir)
 
     def _failure(self, exc: Exception) -> dict:
-        """The wire detail of a job failure (as ``run_job`` reports it)."""
-        from backend.errors import StudioError, storage_full
+        """The wire form of a job failure (``StudioError.to_wire``): the error itself, a full disk as 507
+        (the operator's to fix, no traceback), anything else a ServerError naming the exception."""
+        from backend.errors import ServerError, StorageFull, StudioError, storage_full
 
         if isinstance(exc, StudioError):
-            return {"message": exc.message, "status": exc.http_status, "type": exc.kind, "param": exc.param}
+            return exc.to_wire()
         if storage_full(exc):
-            return {"message": f"no room to write the output under {self.config.data_dir or 'the data dir'}"
-                               f" ({exc.strerror})", "status": 507, "type": "insufficient_storage", "param": None}
+            return StorageFull(f"no room to write the output under {self.config.data_dir or 'the data dir'}"
+                               f" ({exc.strerror})").to_wire()
         traceback.print_exc(file=sys.stderr)
         text = str(exc).strip().splitlines()
-        return {"message": f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": "), "status": 500,
-                "type": "server_error", "param": None}
+        return ServerError(f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")).to_wire()
 
     def _take_cancels(self, ids) -> bool:
         """Read the messages the supervisor sent while a batch runs: a member's cancel is noted; anything

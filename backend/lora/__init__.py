@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..digest import PRELOAD_ID_BASE  # ids for adapters pre-loaded at start, out of the way of request ids
 from .request import LoRARequest
-
-# ids for adapters pre-loaded at start (Omni(lora_path=...)), out of the way of request ids
-PRELOAD_ID_BASE = 1 << 30
 
 
 def attach(manager, *, max_loras: int = 4, max_cpu_loras: int = 16, preload=None, pristine: str = "auto",

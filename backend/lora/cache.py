@@ -35,6 +35,11 @@ class LRUTier:
         """Least recently used first."""
         return list(self._entries)
 
+    def peek(self, key):
+        """The value under ``key`` (None if absent), without counting a hit or moving it in the LRU order."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.value
+
     def get(self, key):
         entry = self._entries.get(key)
         if entry is None:

@@ -13,8 +13,9 @@ code paths as real downloads:
 - lightx2v / ComfyUI files: ``diffusion_model.*`` with ``.alpha``, ``.diff_b`` and zero norm
   ``.diff`` keys, including a Wan2.2 high/low-noise pair.
 
-``ensure(data_dir)`` writes them once under ``<data-dir>/adapters/demo/`` (same seed, same
-bytes) and returns that folder.
+``ensure(data_dir)`` writes them once under ``<data-dir>/demo/adapters/`` (same seed, same
+bytes) and returns that folder: the demo root, an adapter root only while a demo model is
+served (``settings.adapter_roots(demo=True)``), never the user's library ``<data-dir>/adapters``.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ MARKER = ".demo-adapters"
 @dataclass(frozen=True)
 class DemoAdapter:
     model: str  # demo model id it is made for
-    relpath: str  # under adapters/demo/
+    relpath: str  # under <data-dir>/demo/adapters/
     writer: str  # function name in this module
     rank: int = 4
     alpha: float | None = None
@@ -73,15 +74,16 @@ _ATTN = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
 
 
 def ensure(data_dir=None) -> Path:
-    """Write the demo adapter library once; return ``<data-dir>/adapters/demo``."""
-    root = settings.adapters_dir(data_dir) / "demo"
+    """Write the demo adapter library once; return ``<data-dir>/demo/adapters``."""
+    root = settings.demo_adapters_dir(data_dir)
+    root.parent.mkdir(parents=True, exist_ok=True)
     marker = root / MARKER
     if _current(marker):
         return root
     with FileLock(str(root) + ".lock"):
         if _current(marker):
             return root
-        tmp = Path(tempfile.mkdtemp(prefix="demo.", dir=root.parent))
+        tmp = Path(tempfile.mkdtemp(prefix="adapters.", dir=root.parent))
         try:
             for spec in DEMO_ADAPTERS:
                 out = tmp / spec.relpath

@@ -46,6 +46,7 @@ import torch
 
 from ..cpu_tasks import run_tasks
 from ..errors import AdapterError, AdapterNotFound, InvalidParameter
+from ..errors import LayerWriteFailed as _LayerWriteFailed, NonFinite as _NonFinite
 from . import pristine as pristine_mod
 from . import schedule
 from .adapter import LoadedAdapter, load_adapter
@@ -65,16 +66,6 @@ class _DeviceFactors:
     bias: torch.Tensor | None
     scaling: float
     bound: float = math.inf  # r * max|B| * max|A| (+ max|bias|): no element of B @ A is larger
-
-
-class _LayerWriteFailed(Exception):
-    def __init__(self, layer: str, cause: Exception):
-        super().__init__(layer)
-        self.layer, self.cause = layer, cause
-
-
-class _NonFinite(Exception):
-    pass
 
 
 def identity_of(entry: LoadedAdapter) -> Identity:
@@ -194,7 +185,7 @@ class LoRAEngine:
         return by_name if by_name is not None and by_name in self.cache.cpu else None
 
     def _refuse_id(self, request: LoRARequest, key: Identity) -> None:
-        entry = self.cache.cpu._entries[key].value
+        entry = self.cache.cpu.peek(key)
         raise AdapterError(f"lora_int_id {request.lora_int_id} is already adapter {entry.name!r} at "
                            f"{entry.record.path}; use another id for {request.lora_path}", param="lora_int_id")
 
@@ -203,7 +194,7 @@ class LoRAEngine:
         return str(_resolved(path))  # once per request (symlinks may change between requests)
 
     def _register(self, request: LoRARequest, key: Identity, pin: bool) -> None:
-        entry = self.cache.cpu._entries[key].value if key in self.cache.cpu else None
+        entry = self.cache.cpu.peek(key)
         if entry is not None and key not in self._paths:
             if len(self._paths) > 2 * self.cache.cpu.capacity:  # drop what the CPU tier evicted
                 self._paths = {k: v for k, v in self._paths.items() if k in self.cache.cpu}
@@ -229,15 +220,6 @@ class LoRAEngine:
             self._params[name] = dict(module.named_parameters())
             self.targetable_bytes = pristine_mod.targetable_bytes(self.denoisers)
             self.unfused.add_denoiser(name, module)
-
-    def prepare(self, adapters) -> None:
-        """Read and fit the adapters of a coming request, so activation later is a short device step.
-
-        Safe to call without the manager's lock (it never touches the model): a server worker
-        calls it before ``PipelineManager.generate``.
-        """
-        for request, _ in adapters or []:
-            self.load(request)
 
     def unload(self, name_or_id) -> None:
         """Forget an adapter (both tiers, pin included). Its merged weights stay until the next switch.
@@ -269,7 +251,7 @@ class LoRAEngine:
                 key = self._ids.get(request_or_id) if isinstance(request_or_id, int) else self._lookup(request_or_id)
             except AdapterError:
                 return None
-            if key is None or key not in self.cache.cpu or self.cache.cpu._entries[key].value.is_stale():
+            if key is None or key not in self.cache.cpu or self.cache.cpu.peek(key).is_stale():
                 return None
             return key
 
@@ -279,22 +261,26 @@ class LoRAEngine:
             return {ident for ident, _ in self._active_key if isinstance(ident, tuple)} | \
                 {ident for items in self._merged.values() for ident, _ in items}
 
+    def exclusive(self):
+        """Hold the engine's state (cache, ids, active set) across several calls. Re-entrant."""
+        return self._lock
+
     def find(self, name: str) -> LoadedAdapter | None:
         with self._lock:
             key = self._names.get(name)
             if key is not None and key in self.cache.cpu:
-                return self.cache.cpu._entries[key].value
+                return self.cache.cpu.peek(key)
         return None
 
     def by_name(self) -> dict[str, LoadedAdapter]:
         """Every name a cached adapter was requested or pinned under, with its entry."""
         with self._lock:
-            return {name: self.cache.cpu._entries[key].value for name, key in self._names.items()
+            return {name: self.cache.cpu.peek(key) for name, key in self._names.items()
                     if key in self.cache.cpu}
 
     def loaded(self) -> list[LoadedAdapter]:
         with self._lock:
-            return [self.cache.cpu._entries[k].value for k in self.cache.cpu.keys()]
+            return [self.cache.cpu.peek(k) for k in self.cache.cpu.keys()]
 
     # -- activation -------------------------------------------------------------------------------
     def activate(self, adapters, *, steps=None, mode=None, queued_same: int = 0) -> list[dict]:
@@ -684,7 +670,7 @@ class LoRAEngine:
         """Cache tiers, counters and bytes, for the UI and the benchmark."""
         with self._lock:
             tiers = self.cache.stats()
-            names = {k: self.cache.cpu._entries[k].value.name for k in self.cache.cpu.keys()}
+            names = {k: self.cache.cpu.peek(k).name for k in self.cache.cpu.keys()}
             tiers["device"]["adapters"] = [names.get(k, k[0]) for k in self.cache.device.keys()]
             tiers["cpu"]["adapters"] = [names[k] for k in self.cache.cpu.keys()]
             return {"tiers": tiers, "pinned": sorted(names.get(k, k[0]) for k in self.cache.pinned),
@@ -751,12 +737,3 @@ def _resolved(p):
         return Path(p).expanduser().resolve()
     except OSError:
         return Path(p)
-
-
-def _same_path(a, b) -> bool:
-    from pathlib import Path
-
-    try:
-        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-    except OSError:
-        return False

@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..digest import file_sha256 as digest_file
 from ..errors import AdapterError, AdapterNotFound
 
 PEFT_CONFIG = "adapter_config.json"
@@ -133,11 +134,7 @@ def file_sha256(path: Path) -> str:
     cached = _cached_sha256(key)
     if cached is not None:
         return cached
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    digest = h.hexdigest()
+    digest = digest_file(path)
     _remember_sha256(key, digest)
     return digest
 

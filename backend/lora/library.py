@@ -29,14 +29,10 @@ class LibraryEntry:
     error: str | None = None  # why it cannot be used at all (pickle, corrupt, ...)
 
 
-def roots(adapter_dirs=None, data_dir=None) -> list[Path]:
-    """``<data-dir>/adapters`` first, then each ``--adapter-dir`` (duplicates dropped)."""
-    out: list[Path] = []
-    for p in [settings.adapters_dir(data_dir), *(adapter_dirs or [])]:
-        p = Path(p).expanduser().resolve()
-        if p not in out:
-            out.append(p)
-    return out
+def roots(adapter_dirs=None, data_dir=None, model: str | None = None) -> list[Path]:
+    """``<data-dir>/adapters`` first, then each ``--adapter-dir``, then for a demo ``model`` the demo
+    adapters (``settings.adapter_roots``)."""
+    return settings.adapter_roots(adapter_dirs, data_dir, demo=bool(model) and model.startswith("demo:"))
 
 
 # Bounds on one scan of the roots (a listing, a lookup by name): hostile trees must not stall it.
@@ -122,13 +118,13 @@ def _inspect_row(path: Path, name: str) -> tuple:
         return None, f"{path}: unreadable ({type(exc).__name__})"
 
 
-def scan(adapter_dirs=None, data_dir=None) -> list[LibraryEntry]:
+def scan(adapter_dirs=None, data_dir=None, model: str | None = None) -> list[LibraryEntry]:
     """Every adapter under the roots: PEFT folders, .safetensors files, refused pickles.
 
     A file that cannot be used is one entry with ``error`` set (why); the scan is bounded in
     depth (``MAX_DEPTH``), count (``MAX_FILES``) and time (``SCAN_SECONDS``), and each file is
     inspected once per (path, mtime, size)."""
-    all_roots = roots(adapter_dirs, data_dir)
+    all_roots = roots(adapter_dirs, data_dir, model)
     found: list[tuple[Path, Path, bool]] = []  # (root, path, outside)
     for root in all_roots:
         if not root.is_dir():
@@ -211,21 +207,25 @@ def library_rows(model: str | None = None, adapter_dirs=None, data_dir=None) -> 
     """Printable rows: name, format, rank, alpha, size, sha256, base model hint, fit, path.
 
     With ``model``, each adapter is fitted against that model's denoisers (``fit`` is the
-    report's summary, ``fits`` a bool). Demo adapters are written first for demo models.
+    report's summary, ``fits`` a bool). For a demo model the demo adapters are written first and
+    listed too, each with ``demo: true`` (they live in ``<data-dir>/demo/adapters``, not the library);
+    without a model nothing is built and only the library roots are listed.
     """
-    from . import demo_adapters
+    demo_root = None
+    if model and model.startswith("demo:"):
+        from . import demo_adapters
 
-    if model is None or model.startswith("demo:"):
-        demo_adapters.ensure(data_dir)
+        demo_root = demo_adapters.ensure(data_dir).resolve()
     skeleton = denoiser_skeletons(model, data_dir) if model else None
     rows = []
-    for entry in scan(adapter_dirs, data_dir):
+    for entry in scan(adapter_dirs, data_dir, model):
         rec = entry.record
         row = {"name": entry.name, "path": str(entry.path), "format": rec.format if rec else "-",
                "rank": rec.rank if rec else "-", "alpha": _num(rec.alpha) if rec else "-",
                "size": _size(rec.size_bytes) if rec else "-", "size_bytes": rec.size_bytes if rec else 0,
                "sha256": rec.sha256 if rec else "", "base_model": (rec.base_model or "") if rec else "",
-               "usable": entry.error is None, "error": entry.error}
+               "usable": entry.error is None, "error": entry.error,
+               "demo": demo_root is not None and Path(entry.path).is_relative_to(demo_root)}
         if entry.error:
             row.update(fit=f"refused: {entry.error}", fits=False)
         elif skeleton is not None:
@@ -263,8 +263,9 @@ def _fit_row(model: str, entry: LibraryEntry, skeleton) -> dict:
 
 def format_rows(rows: list[dict]) -> str:
     """A plain-text table of ``library_rows`` for the terminal."""
-    cols = ["name", "format", "rank", "alpha", "size", "sha256"] + (["fit"] if rows and "fit" in rows[0] else [])
-    cells = [[(r[c][:12] if c == "sha256" else str(r[c])) for c in cols] for r in rows]
+    # without a model only refused rows carry a fit (their reason): the column is there if any row has one
+    cols = ["name", "format", "rank", "alpha", "size", "sha256"] + (["fit"] if any("fit" in r for r in rows) else [])
+    cells = [[(r[c][:12] if c == "sha256" else str(r.get(c, "-"))) for c in cols] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
     widths[-1] = len(cols[-1])  # the last column runs free
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731

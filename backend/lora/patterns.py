@@ -24,11 +24,7 @@ from __future__ import annotations
 import math
 import re
 
-try:  # Python 3.11+
-    from re import _constants as _c, _parser as _p
-except ImportError:  # pragma: no cover - Python < 3.11
-    import sre_constants as _c  # type: ignore[no-redef]
-    import sre_parse as _p  # type: ignore[no-redef]
+from re import _constants as _c, _parser as _p  # Python 3.11+ (the project's floor)
 
 from ..errors import AdapterError
 

@@ -24,15 +24,11 @@ import os
 
 import torch
 
-from ..errors import InvalidParameter, StudioError
+from ..errors import InsufficientMemory, InvalidParameter
 
 PRISTINE_MODES = ("auto", "device", "host")
 DEVICE_HEADROOM = 0.25  # auto keeps this share of device memory free for activations
 HOST_HEADROOM = 1 << 30  # and this much host memory free beside the copies
-
-
-class InsufficientMemory(StudioError):
-    http_status = 507
 
 
 def targetable_bytes(denoisers: dict[str, torch.nn.Module]) -> int:
@@ -59,10 +55,8 @@ def available_host_memory() -> int | None:
     fake = os.environ.get("LORA_STUDIO_FAKE_AVAILABLE_MEMORY")
     if fake:
         return int(fake)
-    try:
-        import psutil
-    except ImportError:
-        return None
+    import psutil
+
     return int(psutil.virtual_memory().available)
 
 

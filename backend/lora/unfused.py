@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .engine import _LayerWriteFailed
+from ..errors import LayerWriteFailed as _LayerWriteFailed
 from .policy import (BATCH_EFF_DEFAULTS, DEVICE_DEFAULTS, BatchInputs, Decision, PolicyInputs, check_mode, decide,
                      decide_batch)
 
@@ -385,7 +385,7 @@ class UnfusedServing:
         Yields each sample's metadata rows (``mode": "unfused"``); the hooks come off on exit.
         Every set goes through the same load, fit, scale and finite checks as ``activate``."""
         engine = self.engine
-        with engine._lock:
+        with engine.exclusive():
             canon = [engine.canonical(s) for s in adapter_sets]
             distinct: dict[tuple, int] = {}
             for _, key, _ in canon:
@@ -427,7 +427,7 @@ class UnfusedServing:
         """Batch these jobs' sets in one call, or run them one by one? (``policy.decide_batch``: each job's
         own single-request inputs, the measured lone step time and the measured batch efficiency)."""
         engine = self.engine
-        with engine._lock:
+        with engine.exclusive():
             jobs, union = [], {}
             for adapters in adapter_sets:
                 loaded, _, _ = engine.canonical(adapters)

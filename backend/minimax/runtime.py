@@ -278,7 +278,7 @@ CONTRACT_FIELDS = ("num_inference_steps", "flow_shift", "audio_flow_shift")
 def generate_for_manager(manager, request: dict, *, adapters=None, defaults=None, on_step=None, cancel=None,
                          lora_mode: str | None = None):
     """PipelineManager.generate for MiniMax-H3: validate, check the contract, run, and wrap the result."""
-    from ..manager import GenerationResult
+    from ..result import GenerationResult
 
     started = time.time()
     if "lora_mode" in request:  # a request field (HTTP): merge or unfused, not a pipeline argument
@@ -295,7 +295,7 @@ def generate_for_manager(manager, request: dict, *, adapters=None, defaults=None
     lora_mode_meta = out.metadata.pop("lora_mode", None)
     shown = {k: v for k, v in params.items() if k not in ("image", "last_image", "references") and v is not None}
     shown.update(out.metadata)
-    metadata = manager._metadata(shown, applied, time.time() - started)
+    metadata = manager.run_metadata(shown, applied, time.time() - started)
     if lora_mode_meta is not None:  # which way the adapters ran, as for every other pipeline
         metadata["lora_mode"] = lora_mode_meta
     return GenerationResult(frames=out.frames, fps=out.fps, audio=out.audio, metadata=metadata)
