@@ -79,7 +79,7 @@ def generate_batch(manager, requests: list[dict], adapter_sets: list, *, on_step
             return tensors
 
         hooks = engine.unfused.batch(adapter_sets) if engine is not None else _no_adapters(n)
-        with hooks as metas, manager._scheduler_for(params[0]), manager._boundary_for(params[0]):
+        with hooks as metas, manager.scheduler_for(params[0]), manager.boundary_for(params[0]):
             run_started = time.perf_counter()
             with torch.inference_mode():
                 output = manager.pipeline(**kwargs, generator=generators, output_type="pil",

@@ -50,7 +50,7 @@ def run(args) -> int:
     from safetensors.torch import save_file
 
     from . import quant
-    from .bench import _loadavg, _rotated, _stat
+    from .benchkit import _loadavg, _rotated, _stat
     from .demo.gguf import sd3_original_names, write_state
     from .lora.engine import LoRAEngine
     from .lora.request import LoRARequest

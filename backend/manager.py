@@ -230,7 +230,7 @@ class PipelineManager:
             calls, run_started = (engine.unfused.forward_calls() if engine is not None else 0), time.perf_counter()
             if engine is not None:  # a step schedule: each step's scales set from the step callback
                 on_step = engine.unfused.stepper(steps, on_step)
-            with self._scheduler_for(params), self._boundary_for(params):
+            with self.scheduler_for(params), self.boundary_for(params):
                 output = self._run(params, on_step, cancel)
             result = self._collect(output, params)
             if engine is not None:  # the policy's measured step time (and forwards per step)
@@ -343,7 +343,7 @@ class PipelineManager:
         }
 
     # -- per-request scheduler / routing overrides ---------------------------------------------
-    def _scheduler_for(self, params: dict):
+    def scheduler_for(self, params: dict):
         return _Swap(self.pipeline, "scheduler", self._make_scheduler(params))
 
     def _make_scheduler(self, params: dict):
@@ -364,7 +364,7 @@ class PipelineManager:
                 config, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
         return FlowMatchEulerDiscreteScheduler.from_config(config, shift=shift)
 
-    def _boundary_for(self, params: dict):
+    def boundary_for(self, params: dict):
         ratio = params.get("boundary_ratio")
         return _ConfigSwap(self.pipeline, "boundary_ratio", ratio)
 

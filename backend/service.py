@@ -21,6 +21,7 @@ from .jobs.adapters import AdapterResolver
 from .jobs.queue import FINISHED, JobQueue
 from .jobs.supervisor import Supervisor
 from .limits import Limits, check_request, check_text
+from .lora.schedule import parse_text as parse_scale_text  # noqa: F401 - the UI's scale fields (torch-free)
 
 from .families import DEFAULT_MODEL
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")

@@ -132,6 +132,7 @@ FRIENDS = {
                                 "_lora_studio_forwards", "_forward_hooks"},
     "backend/jobs/prefetch.py": {"_device_factors"},
     "backend/jobs/queue.py": {"_changed", "_db", "_lock"},  # the queue's own helper class
+    "backend/jobs/worker.py": {"_take_cancels", "_cancelled"},  # _MemberCancel: the worker's own helper class
     "backend/minimax/pipeline.py": {"_load_pipeline_config", "_execution_device"},
 }
 

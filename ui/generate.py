@@ -44,7 +44,7 @@ def model_choices(studio) -> list[tuple[str, str]]:
 def adapter_payload(stack: list[dict], two_stage: bool) -> list[dict]:
     """The stack as the facade takes it: [{"name", "scale"}], scale per component when split; a
     row's "over steps" text (``1.0,0.8,0.5``, ``0.5->1.0`` or JSON: backend/lora/schedule.py) wins."""
-    from backend.lora.schedule import parse_text
+    from backend.service import parse_scale_text as parse_text
 
     out = []
     for e in stack:

@@ -6,6 +6,7 @@ the system is shown lives in this one module, so the tabs stay wiring only.
 from __future__ import annotations
 
 import html
+import json
 import logging
 from dataclasses import dataclass, field
 
