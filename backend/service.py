@@ -451,6 +451,30 @@ class Studio:
                 break
         return out
 
+    def save_plot(self, image, sidecar: dict) -> dict:
+        """An X/Y/Z plot (a PIL image, assembled by the UI) as ``<outputs>/plots/xyz-<time>-<id>.png``
+        with the cells in a PNG text chunk and a JSON sidecar beside it; returns both paths."""
+        import json
+        import uuid
+
+        from .outputs import _atomic_write
+
+        folder = settings.outputs_dir(self.data_dir) / "plots"
+        path = folder / f"xyz-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}.png"
+        text = json.dumps(sidecar, indent=2, default=str)
+
+        def write_png(tmp):
+            from PIL.PngImagePlugin import PngInfo
+
+            info = PngInfo()
+            info.add_text("lora_studio_plot", text)
+            image.save(tmp, format="PNG", pnginfo=info)
+
+        _atomic_write(path, write_png)
+        side = path.with_suffix(".png.json")
+        _atomic_write(side, lambda tmp: Path(tmp).write_text(text))
+        return {"path": str(path), "sidecar": str(side)}
+
     # -- presets (distill) -----------------------------------------------------------------------
     def presets(self) -> list[dict]:
         try:

@@ -8,7 +8,7 @@ import gradio as gr
 
 from backend import settings
 
-from . import adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, system
+from . import adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, system, xyz
 
 CSS = """
 .ls-bar { height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; margin-top: 4px; }
@@ -24,7 +24,7 @@ CSS = """
 .ls-card code { word-break: break-all; white-space: normal; }
 .ls-missing { color: var(--error-text-color, #b91c1c); }
 .ls-present { color: var(--color-green-600, #16a34a); }
-#result-image img, #cmp-grid img { image-rendering: pixelated; min-width: 256px; object-fit: contain; }
+#result-image img, #cmp-grid img, #xyz-grid img { image-rendering: pixelated; min-width: 256px; object-fit: contain; }
 .ls-lcards { display: grid; grid-template-columns: repeat(auto-fill, minmax(220px, 1fr)); gap: 10px; }
 .ls-lcard { border: 1px solid var(--border-color-primary); border-radius: 8px; overflow: hidden; display: flex;
             flex-direction: column; }
@@ -70,7 +70,7 @@ PAGE_JS = """
 }
 """
 
-TAB_IDS = ("generate", "compare", "adapters", "presets", "queue", "gallery", "system")
+TAB_IDS = ("generate", "compare", "xyz", "adapters", "presets", "queue", "gallery", "system")
 
 
 def parse_auth(auth) -> tuple[str, str] | None:
@@ -95,6 +95,8 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
                 lora_browser.build(studio, gen)
             with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
                 compare.build(studio, gen)
+            with gr.Tab("X/Y/Z plot", id="xyz", elem_id="tab-xyz"):
+                xyz.build(studio, gen)
             with gr.Tab("Adapters", id="adapters", elem_id="tab-adapters") as t_adapters:
                 list_adapters, adapter_outs = adapters.build(studio)
             with gr.Tab("Presets", id="presets", elem_id="tab-presets") as t_presets:
