@@ -4,6 +4,7 @@ finished-job notification: Playwright in Chromium against one ``python app.py se
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import numpy as np
@@ -98,3 +99,195 @@ def test_xyz_plot_scale_by_seed_is_one_labelled_png(page, app, lora_files):  # n
     assert got.status_code == 200 and got.content == open(path, "rb").read()
     page.get_by_role("tab", name="Generate").click()
     page.locator("#stack-remove-0").click()
+
+
+def info_png(path, **chunks):
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for key, value in chunks.items():
+        info.add_text(key, value if isinstance(value, str) else json.dumps(value))
+    Image.new("RGB", (32, 32), (90, 60, 30)).save(path, pnginfo=info)
+    return path
+
+
+def test_dropped_a1111_and_comfyui_pngs_fill_the_fields(page, app, lora_files, tmp_path):  # noqa: F811
+    app.add_adapter(lora_files["other"], "drop-style")
+    a1111 = info_png(tmp_path / "a1111.png", parameters=(
+        "a fox in the snow <lora:drop-style:0.6>, <lora:not-here:1>\nNegative prompt: blurry\n"
+        "Steps: 3, Sampler: Euler a, CFG scale: 5.5, Seed: 777, Size: 48x32, Model: sd15, Version: v1.9.4"))
+    page.get_by_role("tab", name="Gallery").click()
+    page.locator("#gallery-drop input[type=file]").set_input_files(str(a1111))
+    expect(page.locator("#gen-note")).to_contain_text("read A1111 settings")
+    expect(page.locator("#prompt textarea")).to_have_value("a fox in the snow")
+    expect(page.locator("#seed input")).to_have_value("777")
+    expect(page.locator("#field-num_inference_steps input")).to_have_value("3")
+    expect(page.locator("#field-true_cfg_scale input")).to_have_value("5.5")  # CFG scale -> Qwen's true CFG
+    expect(page.locator("#field-negative_prompt textarea")).to_have_value("blurry")
+    expect(page.locator("#field-width input")).to_have_value("48")
+    expect(page.locator("#field-height input")).to_have_value("32")
+    expect(page.locator("#stack-name-0 textarea, #stack-name-0 input").first).to_have_value("drop-style")
+    expect(page.locator("#stack-scale-0 input[type=number]")).to_have_value("0.6")
+    expect(page.locator("#gen-note")).to_contain_text("left out: not-here")
+    page.locator("#stack-remove-0").click()
+
+    comfy = info_png(tmp_path / "comfy.png", prompt={
+        "3": {"class_type": "KSampler", "inputs": {"seed": 4242, "steps": 5, "cfg": 3.0, "sampler_name": "euler",
+                                                    "positive": ["6", 0], "negative": ["7", 0],
+                                                    "latent_image": ["5", 0], "model": ["4", 0]}},
+        "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "x.safetensors"}},
+        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 80, "batch_size": 1}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a comfy castle", "clip": ["4", 1]}},
+        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "watermark", "clip": ["4", 1]}}})
+    page.get_by_role("tab", name="Gallery").click()
+    page.locator("#gallery-drop input[type=file]").set_input_files(str(comfy))
+    expect(page.locator("#gen-note")).to_contain_text("read ComfyUI settings")
+    expect(page.locator("#prompt textarea")).to_have_value("a comfy castle")
+    expect(page.locator("#seed input")).to_have_value("4242")
+    expect(page.locator("#field-num_inference_steps input")).to_have_value("5")
+    expect(page.locator("#field-height input")).to_have_value("80")
+    # and the settings generate as read
+    fill(page, "field-height", 64)
+    before = {j["id"] for j in all_jobs(app)}
+    page.locator("#generate-btn").click()
+    new = wait_for("the job", lambda: [j for j in all_jobs(app) if j["id"] not in before
+                                       and j["status"] in ("succeeded", "failed", "cancelled")])
+    assert new[0]["status"] == "succeeded", new[0]
+    p = new[0]["params"]
+    assert (p["prompt"], p["seed"], p["num_inference_steps"], p["true_cfg_scale"], p["negative_prompt"]) == \
+        ("a comfy castle", 4242, 5, 3.0, "watermark")
+
+
+def finished_outputs(app, **match):  # noqa: F811
+    """The succeeded jobs whose result file still exists (what the gallery lists), newest first."""
+    from pathlib import Path
+
+    return [j for j in all_jobs(app) if j["status"] == "succeeded" and j["kind"] == "generate"
+            and Path(j["result"]["path"]).exists()
+            and all(j.get(k) == v for k, v in match.items())]
+
+
+def thumbs(page):
+    return page.locator("#gallery .thumbnail-item")
+
+
+def test_gallery_captions_filters_pages_and_delete(page, app, lora_files):  # noqa: F811
+    from pathlib import Path
+
+    app.add_adapter(lora_files["style"], "gal-style")
+    page.reload()
+    page.wait_for_selector("#prompt textarea")
+    fill(page, "field-num_inference_steps", 1)
+    fill(page, "field-height", 64)
+    fill(page, "field-width", 64)
+    fill(page, "seed", 500)
+    add_to_stack(page, "gal-style")
+    fill(page, "prompt", "gallery tagged")
+    before = {j["id"] for j in all_jobs(app)}
+    page.locator("#generate-btn").click()
+    wait_for("the tagged job queued", lambda: len([j for j in all_jobs(app) if j["id"] not in before]) == 1)
+    page.locator("#stack-remove-0").click()
+    fill(page, "prompt", "gallery page")
+    fill(page, "batch-count", 13)
+    page.locator("#generate-btn").click()
+    wait_for("14 results", lambda: len([j for j in all_jobs(app) if j["id"] not in before
+                                        and j["status"] == "succeeded"]) == 14, timeout=600)
+    fill(page, "batch-count", 1)
+    total = len(finished_outputs(app))
+    assert total >= 14
+
+    page.get_by_role("tab", name="Gallery").click()
+    expect(page.locator("#gallery-page [data-total]")).to_have_attribute("data-total", str(total))
+    expect(page.locator("#gallery")).to_contain_text("gallery page · seed 512")  # captions: prompt and seed
+
+    # paging: 12 per page, then the next page has the rest (up to 12)
+    choose(page, "gallery-per-page", "12")
+    expect(page.locator("#gallery-page .ls-page")).to_have_attribute("data-last", "12")
+    expect(thumbs(page)).to_have_count(12)
+    page.locator("#gallery-next").click()
+    expect(page.locator("#gallery-page .ls-page")).to_have_attribute("data-first", "13")
+    expect(thumbs(page)).to_have_count(min(12, total - 12))
+    page.locator("#gallery-prev").click()
+    expect(page.locator("#gallery-page .ls-page")).to_have_attribute("data-first", "1")
+
+    # filters: by adapter, then by model
+    choose(page, "gallery-adapter", "gal-style")
+    expect(page.locator("#gallery-page .ls-page")).to_have_attribute("data-total", "1")
+    expect(thumbs(page)).to_have_count(1)
+    expect(page.locator("#gallery")).to_contain_text("gallery tagged")
+    choose(page, "gallery-adapter", "(any adapter)")
+    choose(page, "gallery-model", "demo:qwen-image")
+    expect(page.locator("#gallery-page .ls-page")).to_have_attribute(
+        "data-total", str(len(finished_outputs(app, model="demo:qwen-image"))))
+    choose(page, "gallery-model", "(any model)")
+
+    # delete asks first; Cancel keeps the file, OK removes it and its sidecar
+    choose(page, "gallery-adapter", "gal-style")
+    expect(thumbs(page)).to_have_count(1)
+    thumbs(page).first.click()
+    expect(page.locator("#gallery-meta")).to_contain_text("gallery tagged")
+    tagged = next(j for j in all_jobs(app) if (j.get("params") or {}).get("prompt") == "gallery tagged")
+    path = Path(tagged["result"]["path"])
+    sidecar = path.with_suffix(path.suffix + ".json")
+    assert path.exists() and sidecar.exists()
+    page.once("dialog", lambda d: d.dismiss())
+    page.locator("#gallery-delete").click()
+    expect(page.locator("#gallery-status")).to_contain_text("nothing deleted")
+    assert path.exists() and sidecar.exists()
+    page.once("dialog", lambda d: d.accept())
+    page.locator("#gallery-delete").click()
+    expect(page.locator("#gallery-status")).to_contain_text(f"deleted {path.name}, {sidecar.name}")
+    assert not path.exists() and not sidecar.exists()
+    expect(page.locator("#gallery-page .ls-page")).to_have_attribute("data-total", str(total - 1))
+    shot(page, "gallery")
+
+
+def test_send_onward_reuses_the_seed_and_feeds_image_to_video(page, app):  # noqa: F811
+    fill(page, "prompt", "a seed worth keeping")
+    fill(page, "seed", -1)
+    fill(page, "field-num_inference_steps", 2)
+    fill(page, "field-height", 64)
+    fill(page, "field-width", 64)
+    before = {j["id"] for j in all_jobs(app)}
+    page.locator("#generate-btn").click()
+    expect(page.locator("#result-metadata")).to_contain_text("a seed worth keeping")
+    made = next(j for j in all_jobs(app) if j["id"] not in before)
+    seed = made["result"]["metadata"]["seed"]
+    assert seed >= 0
+    page.locator("#send-seed").click()
+    expect(page.locator("#seed input")).to_have_value(str(seed))
+
+    # the image into an image-to-video model's input: the tab switches to one, the image is in its field
+    page.locator("#send-i2v").click()
+    expect(page.locator("#gen-note")).to_contain_text("as its input image", timeout=600_000)
+    expect(page.locator("#model-picker input")).to_have_value(re.compile(r"^demo:wan2\.2-i2v"))
+    expect(page.locator("#field-image img")).to_be_visible()
+    fill(page, "prompt", "it moves")
+    fill(page, "field-num_inference_steps", 2)
+    before = {j["id"] for j in all_jobs(app)}
+    page.locator("#generate-btn").click()
+    video = wait_for("the video job", lambda: next((j for j in all_jobs(app) if j["id"] not in before
+                                                    and j["status"] in ("succeeded", "failed", "cancelled")), None),
+                     timeout=600)
+    assert video["status"] == "succeeded" and video["model"] == "demo:wan2.2-i2v", video
+    sent = np.asarray(Image.open(video["params"]["image"]).convert("RGB"))
+    assert np.array_equal(sent, np.asarray(Image.open(made["result"]["path"]).convert("RGB")))
+
+    # a video's last frame goes the same way
+    expect(page.locator("#result-video video")).to_be_visible()
+    page.locator("#send-i2v").click()
+    expect(page.locator("#gen-note")).to_contain_text("-last.png to demo:wan2.2-i2v")
+    before = {j["id"] for j in all_jobs(app)}
+    page.locator("#generate-btn").click()
+    again = wait_for("the second video job", lambda: next((j for j in all_jobs(app) if j["id"] not in before
+                                                           and j["status"] in ("succeeded", "failed", "cancelled")),
+                                                          None), timeout=600)
+    assert again["status"] == "succeeded", again
+    import imageio.v3 as iio
+
+    frames = list(iio.imiter(video["result"]["path"], plugin="FFMPEG"))
+    sent = np.asarray(Image.open(again["params"]["image"]).convert("RGB"))
+    assert np.array_equal(sent, frames[-1]) and not np.array_equal(sent, frames[0])
+    # back to the image model the other tests (and the next run of this module) expect
+    choose(page, "model-picker", "demo:qwen-image")
+    expect(page.locator("#gen-note")).to_contain_text("demo:qwen-image loaded", timeout=600_000)

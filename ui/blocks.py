@@ -104,7 +104,7 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
             with gr.Tab("Queue", id="queue", elem_id="tab-queue") as t_queue:
                 timer, job_rows, job_table = queue_tab.build(studio)
             with gr.Tab("Gallery", id="gallery", elem_id="tab-gallery") as t_gallery:
-                list_outputs, gallery_outs = gallery.build(studio, gen, tabs)
+                list_outputs, gallery_ins, gallery_outs = gallery.build(studio, gen, tabs)
             with gr.Tab("System", id="system", elem_id="tab-system") as t_system:
                 show_system, system_outs = system.build(studio)
 
@@ -114,7 +114,7 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
 
         tab_refresh(list_adapters, t_adapters, adapter_outs)
         tab_refresh(list_presets, t_presets, preset_outs)
-        tab_refresh(list_outputs, t_gallery, gallery_outs)
+        t_gallery.select(list_outputs, gallery_ins, gallery_outs, api_visibility="private")
         tab_refresh(show_system, t_system, system_outs)
         t_queue.select(lambda: (gr.Timer(active=True), job_rows()), None, [timer, job_table],
                        api_visibility="private")

@@ -63,22 +63,6 @@ def compose(cells: list[list[Image.Image | str | None]], x_labels: list[str], y_
     return grid
 
 
-def last_frame(path: str | Path) -> Image.Image:
-    """A video's last frame (an image's own pixels for an image)."""
-    path = Path(path)
-    if path.suffix.lower() == ".mp4":
-        import imageio.v3 as iio
-
-        frame = None
-        for frame in iio.imiter(path, plugin="FFMPEG"):
-            pass
-        if frame is None:
-            raise ValueError(f"{path.name} has no frames")
-        return Image.fromarray(frame).convert("RGB")
-    with Image.open(path) as img:
-        return img.convert("RGB")
-
-
 def compose_xyz(blocks: list[list[list[Image.Image | str | None]]], x_labels: list[str], y_labels: list[str],
                 z_labels: list[str], corner: str) -> tuple[Image.Image, dict]:
     """An X/Y/Z plot as ONE image: ``blocks[z][row][col]``, one X/Y grid per Z value stacked top to
