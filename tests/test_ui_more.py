@@ -242,6 +242,64 @@ def test_gallery_captions_filters_pages_and_delete(page, app, lora_files):  # no
     shot(page, "gallery")
 
 
+RECORD_NOTIFICATIONS = """
+(() => {
+  const Real = window.Notification;
+  if (!Real) return;
+  window.__notified = [];
+  window.Notification = class extends Real {
+    constructor(title, options) { super(title, options); window.__notified.push([title, options && options.body]); }
+  };
+})();
+"""
+
+
+def test_a_finished_job_changes_the_title_and_notifies(browser, app):  # noqa: F811
+    from test_ui_jobs import TIMEOUT_MS
+
+    context = browser.new_context(permissions=["notifications"], viewport={"width": 1400, "height": 1000})
+    context.add_init_script(RECORD_NOTIFICATIONS)
+    page = context.new_page()
+    try:
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(app.url)
+        page.wait_for_selector("#prompt textarea")
+        expect(page.locator("#fused-badge .ls-badge")).to_be_visible()
+        assert page.evaluate("Notification.permission") == "granted"
+        fill(page, "prompt", "tell me when done")
+        fill(page, "field-num_inference_steps", 30)
+        fill(page, "field-height", 64)
+        fill(page, "field-width", 64)
+        before = {j["id"] for j in all_jobs(app)}
+        page.locator("#generate-btn").click()
+        job = wait_for("the job", lambda: next((j for j in all_jobs(app) if j["id"] not in before), None))
+        wait_for("the title to show progress", lambda: page.title().startswith("["))
+        wait_for("the title to say done", lambda: page.title().startswith(f"✓ job {job['id']} done"))
+        notified = page.evaluate("window.__notified")
+        assert notified == [["LoRA Studio", f"job {job['id']} succeeded"]], notified
+        # a reload finds the job finished: no second notification, and the title is plain again
+        page.reload()
+        page.wait_for_selector("#prompt textarea")
+        expect(page.locator(f'#gen-status .ls-job[data-job="{job["id"]}"]')).to_have_count(0)
+        assert page.evaluate("window.__notified") == []
+        assert page.title() == "LoRA Studio"
+    finally:
+        context.close()
+
+
+def test_http_seed_minus_one_with_n_gives_a_random_base_then_plus_one(app):  # noqa: F811
+    body = {"model": "demo:qwen-image", "prompt": "three of a kind", "n": 3, "size": "64x64", "seed": -1,
+            "num_inference_steps": 1}
+    seeds = []
+    for _ in range(2):
+        r = httpx.post(app.url + "v1/images/generations", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        got = [d["metadata"]["seed"] for d in r.json()["data"]]
+        assert got == [got[0], got[0] + 1, got[0] + 2] and got[0] >= 0, got
+        seeds.append(got[0])
+    assert seeds[0] != seeds[1]  # random each time (2^31 choices)
+
+
 def test_send_onward_reuses_the_seed_and_feeds_image_to_video(page, app):  # noqa: F811
     fill(page, "prompt", "a seed worth keeping")
     fill(page, "seed", -1)

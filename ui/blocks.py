@@ -44,19 +44,42 @@ CSS = """
 .ls-badge { background: var(--color-accent); color: white; border-radius: 4px; padding: 0 6px; font-size: .8em; }
 """
 
-# The page's own behaviour: progress in the title (from the jobs panel's data-title), Ctrl+Enter
-# generates and Esc cancels while the Generate tab is shown. Runs once, on page load.
+# The page's own behaviour: progress in the title (from the jobs panel's data-title), "✓ job N done"
+# there and a browser notification (when the browser allows them) when a job it
+# watched finishes, Ctrl+Enter generates and Esc cancels while the Generate tab is shown. Runs once,
+# on page load.
 PAGE_JS = """
 () => {
   const base = document.title || "LoRA Studio";
+  const seen = new Map();  // job id -> the status this page saw last
+  let done = "";  // "✓ job 12 done" in the title once the page's jobs have all finished
+  const finished = (s) => s === "succeeded" || s === "failed" || s === "cancelled";
+  const notify = (id, status) => {
+    const body = `job ${id} ${status}`;
+    done = status === "succeeded" ? `✓ job ${id} done` : `✗ job ${id} ${status}`;
+    if (!("Notification" in window) || Notification.permission !== "granted") return;
+    try { new Notification("LoRA Studio", {body, tag: `ls-job-${id}`}); } catch (err) { /* not allowed here */ }
+  };
   const sync = () => {
     const jobs = document.querySelector("#gen-status .ls-jobs");
+    for (const el of document.querySelectorAll("#gen-status .ls-job[data-job]")) {
+      const id = el.dataset.job, status = el.dataset.status, before = seen.get(id);
+      // a job this page watched run (or wait) and end: not the finished ones a reload finds
+      if (before && !finished(before) && finished(status) && status !== "cancelled") notify(id, status);
+      seen.set(id, status);
+    }
     const t = jobs ? jobs.getAttribute("data-title") : "";
-    const want = t ? `${t} ${base}` : base;
+    if (t) done = "";
+    const want = t ? `${t} ${base}` : (done ? `${done} · ${base}` : base);
     if (document.title !== want) document.title = want;
   };
   new MutationObserver(sync).observe(document.body, {subtree: true, childList: true, attributes: true,
-                                                     attributeFilter: ["data-title"]});
+                                                     attributeFilter: ["data-title", "data-status"]});
+  // the browser asks once, on the first Generate click (a permission prompt needs a user gesture)
+  document.addEventListener("click", (e) => {
+    if (e.target.closest && e.target.closest("#generate-btn") && "Notification" in window
+        && Notification.permission === "default") Notification.requestPermission().catch(() => {});
+  }, true);
   document.addEventListener("keydown", (e) => {
     const panel = document.querySelector("#tab-generate");
     if (!panel || panel.offsetParent === null) return;
