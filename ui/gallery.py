@@ -122,8 +122,8 @@ def build(studio, gen: GenerateTab, tabs: gr.Tabs):
         except Exception as exc:
             return None, None, error_html(f"{Path(path).name} is not a readable image ({readable(exc)})")
         if not info:
-            return None, None, error_html(f"{Path(path).name} carries no LoRA Studio, A1111 ('parameters') or "
-                                          f"ComfyUI ('prompt'/'workflow') settings")
+            return None, None, error_html(f"{Path(path).name} carries no LoRA Studio settings (nor A1111 "
+                                          f"'parameters' or ComfyUI 'prompt'/'workflow' ones)")
         return info, info, ""
 
     def to_model(settings, model_id):
