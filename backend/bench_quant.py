@@ -31,7 +31,6 @@ def _build(width: int, layers: int, tokens: int):
 
 
 def _adapter(model, out: Path, rank: int) -> Path:
-    from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(10)
     sd = {}
@@ -47,7 +46,6 @@ def _adapter(model, out: Path, rank: int) -> Path:
 
 def run(args) -> int:
     from diffusers import GGUFQuantizationConfig, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from safetensors.torch import save_file
 
     from . import quant
     from .benchkit import _loadavg, _rotated, _stat

@@ -7,7 +7,7 @@ from pathlib import Path
 import gradio as gr
 
 
-from . import adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, system
+from . import adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, system, xyz
 
 CSS = """
 .ls-bar { height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; margin-top: 4px; }
@@ -23,7 +23,7 @@ CSS = """
 .ls-card code { word-break: break-all; white-space: normal; }
 .ls-missing { color: var(--error-text-color, #b91c1c); }
 .ls-present { color: var(--color-green-600, #16a34a); }
-#result-image img, #cmp-grid img { image-rendering: pixelated; min-width: 256px; object-fit: contain; }
+#result-image img, #cmp-grid img, #xyz-grid img { image-rendering: pixelated; min-width: 256px; object-fit: contain; }
 .ls-lcards { display: grid; grid-template-columns: repeat(auto-fill, minmax(220px, 1fr)); gap: 10px; }
 .ls-lcard { border: 1px solid var(--border-color-primary); border-radius: 8px; overflow: hidden; display: flex;
             flex-direction: column; }
@@ -43,19 +43,42 @@ CSS = """
 .ls-badge { background: var(--color-accent); color: white; border-radius: 4px; padding: 0 6px; font-size: .8em; }
 """
 
-# The page's own behaviour: progress in the title (from the jobs panel's data-title), Ctrl+Enter
-# generates and Esc cancels while the Generate tab is shown. Runs once, on page load.
+# The page's own behaviour: progress in the title (from the jobs panel's data-title), "✓ job N done"
+# there and a browser notification (when the browser allows them) when a job it
+# watched finishes, Ctrl+Enter generates and Esc cancels while the Generate tab is shown. Runs once,
+# on page load.
 PAGE_JS = """
 () => {
   const base = document.title || "LoRA Studio";
+  const seen = new Map();  // job id -> the status this page saw last
+  let done = "";  // "✓ job 12 done" in the title once the page's jobs have all finished
+  const finished = (s) => s === "succeeded" || s === "failed" || s === "cancelled";
+  const notify = (id, status) => {
+    const body = `job ${id} ${status}`;
+    done = status === "succeeded" ? `✓ job ${id} done` : `✗ job ${id} ${status}`;
+    if (!("Notification" in window) || Notification.permission !== "granted") return;
+    try { new Notification("LoRA Studio", {body, tag: `ls-job-${id}`}); } catch (err) { /* not allowed here */ }
+  };
   const sync = () => {
     const jobs = document.querySelector("#gen-status .ls-jobs");
+    for (const el of document.querySelectorAll("#gen-status .ls-job[data-job]")) {
+      const id = el.dataset.job, status = el.dataset.status, before = seen.get(id);
+      // a job this page watched run (or wait) and end: not the finished ones a reload finds
+      if (before && !finished(before) && finished(status) && status !== "cancelled") notify(id, status);
+      seen.set(id, status);
+    }
     const t = jobs ? jobs.getAttribute("data-title") : "";
-    const want = t ? `${t} ${base}` : base;
+    if (t) done = "";
+    const want = t ? `${t} ${base}` : (done ? `${done} · ${base}` : base);
     if (document.title !== want) document.title = want;
   };
   new MutationObserver(sync).observe(document.body, {subtree: true, childList: true, attributes: true,
-                                                     attributeFilter: ["data-title"]});
+                                                     attributeFilter: ["data-title", "data-status"]});
+  // the browser asks once, on the first Generate click (a permission prompt needs a user gesture)
+  document.addEventListener("click", (e) => {
+    if (e.target.closest && e.target.closest("#generate-btn") && "Notification" in window
+        && Notification.permission === "default") Notification.requestPermission().catch(() => {});
+  }, true);
   document.addEventListener("keydown", (e) => {
     const panel = document.querySelector("#tab-generate");
     if (!panel || panel.offsetParent === null) return;
@@ -91,6 +114,8 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
                 lora_browser.build(studio, gen)
             with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
                 compare.build(studio, gen)
+            with gr.Tab("X/Y/Z plot", id="xyz", elem_id="tab-xyz"):
+                xyz.build(studio, gen)
             with gr.Tab("Adapters", id="adapters", elem_id="tab-adapters") as t_adapters:
                 list_adapters, adapter_outs = adapters.build(studio)
             with gr.Tab("Presets", id="presets", elem_id="tab-presets") as t_presets:
@@ -98,7 +123,7 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
             with gr.Tab("Queue", id="queue", elem_id="tab-queue") as t_queue:
                 timer, job_rows, job_table = queue_tab.build(studio)
             with gr.Tab("Gallery", id="gallery", elem_id="tab-gallery") as t_gallery:
-                list_outputs, gallery_outs = gallery.build(studio, gen, tabs)
+                list_outputs, gallery_ins, gallery_outs = gallery.build(studio, gen, tabs)
             with gr.Tab("System", id="system", elem_id="tab-system") as t_system:
                 show_system, system_outs = system.build(studio)
 
@@ -108,7 +133,7 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
 
         tab_refresh(list_adapters, t_adapters, adapter_outs)
         tab_refresh(list_presets, t_presets, preset_outs)
-        tab_refresh(list_outputs, t_gallery, gallery_outs)
+        t_gallery.select(list_outputs, gallery_ins, gallery_outs, api_visibility="private")
         tab_refresh(show_system, t_system, system_outs)
         t_queue.select(lambda: (gr.Timer(active=True), job_rows()), None, [timer, job_table],
                        api_visibility="private")

@@ -179,6 +179,7 @@ class GenerateTab:
     image: gr.Image = None
     video: gr.Video = None
     metadata: gr.JSON = None
+    pending_image: gr.State = None  # "send to image-to-video": the image waiting for the model switch
 
     def row_outputs(self) -> list:
         return [c for r in self.rows for c in r.outputs()]
@@ -191,17 +192,40 @@ class GenerateTab:
         return [self.prompt, self.seed, *self.field_outputs(), self.stack, *self.row_outputs(), self.status]
 
     def restore_updates(self, studio, settings: dict | None, model_id: str) -> list:
+        """Fill the tab from a result's (or a dropped image's) settings: ours, A1111's or ComfyUI's."""
         if not settings:
             return [gr.update()] * (len(self.restore_outputs()) - 1) + [error_html("no settings to restore")]
         m = models_by_id(studio).get(model_id)
-        params = settings.get("params") or {}
-        stack = stack_from_payload(settings.get("adapters") or [])
-        note = ok_html(f"restored the settings of a {settings.get('model')} result")
-        if m is None or m.id != settings.get("model"):
+        params = dict(settings.get("params") or {})
+        source = settings.get("source") or "lora_studio"
+        fields = m.fields if m else frozenset()
+        # another tool's "CFG scale": Qwen-Image's classifier-free guidance is true_cfg_scale
+        if source != "lora_studio" and "guidance_scale" in params and "true_cfg_scale" in fields:
+            params["true_cfg_scale"] = params.pop("guidance_scale")
+        wanted = settings.get("adapters") or []
+        try:
+            usable = {a["name"] for a in studio.adapters() if views.fit_of(a)[0]}
+        except Exception:
+            usable = {a.get("name") for a in wanted}
+        stack = stack_from_payload([a for a in wanted if a.get("name") in usable])
+        missing = [a.get("name") for a in wanted if a.get("name") not in usable]
+        if source == "lora_studio":
+            note = f"restored the settings of a {settings.get('model')} result"
+        else:
+            read = [k for k in ("prompt", "negative_prompt", "seed", "num_inference_steps", "guidance_scale",
+                                "true_cfg_scale", "width", "height") if k in params]
+            note = f"read {'A1111' if source == 'a1111' else 'ComfyUI'} settings: {', '.join(read) or 'none'}"
+            skipped = [k for k in read if k not in ("prompt", "seed") and k not in fields]
+            if skipped:
+                note += f" ({', '.join(skipped)} not used by {model_id})"
+        if missing:
+            note += f"; not in the library (or not fitting {model_id}), left out: {', '.join(missing)}"
+        note = ok_html(note)
+        if source == "lora_studio" and (m is None or m.id != settings.get("model")):
             note = error_html(f"the result was made with {settings.get('model')!r}, which is not available here; "
                               f"restored what fits {model_id!r}")
         return [params.get("prompt", ""), params.get("seed"),
-                *field_updates(m, {k: v for k, v in params.items()}, reset=False),
+                *field_updates(m, params, reset=False),
                 stack, *render_stack(stack, bool(m and m.two_stage)), note]
 
 
@@ -321,8 +345,13 @@ def build(studio) -> GenerateTab:
                                format="png")
             t.video = gr.Video(label="Result", interactive=False, visible=False, elem_id="result-video")
             t.metadata = gr.JSON(label="Metadata", elem_id="result-metadata")
+            with gr.Row():
+                reuse = gr.Button("Reuse seed", size="sm", elem_id="send-seed")
+                to_i2v = gr.Button("Send to image-to-video", size="sm", elem_id="send-i2v")
+            t.pending_image = gr.State(None)
 
     _wire(studio, t, refresh, dice, add, apply_btn, go, stop)
+    _wire_send(studio, t, reuse, to_i2v)
     return t
 
 
@@ -642,6 +671,57 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
     # the app's page-load handler and the Gallery's "use these settings" reuse these
     t.load_models, t.model_outputs = load_models, model_outputs
     t.switch, t.switch_outputs = switch, switch_outputs
+
+
+def i2v_model(models: dict[str, ModelInfo], current: str | None) -> str | None:
+    """Where "send to image-to-video" goes: the shown model if it takes an input image for a video,
+    else the first image-to-video model offered (by its spec, else by an ``i2v`` in its id)."""
+    m = models.get(current)
+    if m is not None and m.mode == "image-to-video":
+        return m.id
+    return next((x.id for x in models.values() if x.mode == "image-to-video"),
+                next((x.id for x in models.values() if "i2v" in x.id.lower()), None))
+
+
+def _wire_send(studio, t: GenerateTab, reuse, to_i2v) -> None:
+    """Send the shown result onward: its seed into the seed field, or the image (a video's last frame)
+    into an image-to-video model's input image, switching to that model first."""
+    def shown(watch) -> str:
+        job_id = (watch or {}).get("shown")
+        if not job_id:
+            raise gr.Error("no result yet: generate one first", print_exception=False)
+        return job_id
+
+    def reuse_seed(watch):
+        job = studio.job(shown(watch))
+        seed = ((job.get("result") or {}).get("metadata") or {}).get("seed", (job.get("params") or {}).get("seed"))
+        return seed, ok_html(f"seed {seed} (from job {job['id']})")
+
+    reuse.click(reuse_seed, t.watch, [t.seed, t.status], api_visibility="private", queue=False)
+
+    def pick(watch, model_id):
+        try:
+            info = studio.result_image(shown(watch))
+        except gr.Error:
+            raise
+        except Exception as exc:
+            raise gr.Error(readable(exc), print_exception=False) from None
+        target = i2v_model(models_by_id(studio), model_id)
+        if target is None:
+            raise gr.Error("no image-to-video model is offered here: start the server with one, e.g. "
+                           "python app.py serve Wan-AI/Wan2.2-I2V-A14B-Diffusers", print_exception=False)
+        return gr.update(value=target), info["path"]
+
+    def fill(path, model_id):
+        m = models_by_id(studio).get(model_id)
+        if m is None or "image" not in m.fields:
+            return gr.update(), error_html(f"{model_id} takes no input image")
+        return gr.update(value=path, visible=True), ok_html(f"sent {Path(path).name} to {model_id} as its "
+                                                            f"input image (image)")
+
+    to_i2v.click(pick, [t.watch, t.model], [t.model, t.pending_image], api_visibility="private", queue=False) \
+        .success(t.switch, [t.model, t.stack], t.switch_outputs, api_visibility="private", concurrency_limit=None) \
+        .success(fill, [t.pending_image, t.model], [t.widgets["image"], t.status], api_visibility="private")
 
 
 def _active(studio, job_id) -> bool:

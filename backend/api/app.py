@@ -11,6 +11,7 @@ import base64
 import binascii
 import hashlib
 import logging
+import random
 import time
 import uuid
 from pathlib import Path
@@ -172,6 +173,8 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
             if image is not None or "image" in fields:
                 upload = fields["image"] = _save_upload(studio, image if image is not None else fields["image"])
             seed = fields.get("seed")
+            if seed is not None and body.n > 1 and int(seed) == -1:  # -1: one random base, then +1 per image
+                seed = random.randrange(2**31)
             for i in range(body.n):
                 params = dict(fields)
                 if seed is not None and body.n > 1:

@@ -1,0 +1,249 @@
+"""Generation settings read from an image's embedded text: our own metadata, AUTOMATIC1111's
+``parameters`` text and ComfyUI's ``prompt`` / ``workflow`` JSON. Pure text handling over PIL's
+``img.info`` and EXIF: no torch.
+
+Every reader returns the same shape as a result's metadata restores into the Generate tab::
+
+    {"source": "lora_studio" | "a1111" | "comfyui", "model": str | None,
+     "params": {"prompt", "negative_prompt", "seed", "num_inference_steps", "guidance_scale",
+                "width", "height"},            # only the ones found
+     "adapters": [{"name", "scale"}], "extra": {...}}   # extra: what has no field here (sampler...)
+
+``model`` is set for our own outputs only (another tool's model name is in ``extra``).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import PurePosixPath
+
+# A1111's own pattern for the "Steps: 20, Sampler: Euler a, ..." line (modules/infotext_utils.py)
+_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
+_SIZE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
+_LORA = re.compile(r"<lora:([^:<>]+)(?::([^:<>]*))?(?::[^<>]*)?>", re.IGNORECASE)
+MAX_TEXT = 1 << 20  # ignore absurdly large chunks
+
+
+def read_info(path) -> dict | None:
+    """The settings an image carries (None when it carries none we can read)."""
+    from PIL import Image
+
+    from .outputs import EXIF_IFD, EXIF_USER_COMMENT, read_png_metadata
+
+    own = read_png_metadata(path)
+    if own:
+        return from_own(own)
+    with Image.open(path) as img:
+        info = dict(img.info)
+        try:
+            comment = img.getexif().get_ifd(EXIF_IFD).get(EXIF_USER_COMMENT)
+        except Exception:  # no or broken EXIF
+            comment = None
+    text = info.get("parameters")
+    if not text and isinstance(comment, bytes):  # A1111's JPEG/WebP: EXIF UserComment
+        text = _user_comment(comment)
+    if isinstance(text, str) and text.strip() and len(text) < MAX_TEXT:
+        parsed = parse_a1111(text)
+        if parsed:
+            return parsed
+    for key in ("prompt", "workflow"):
+        raw = info.get(key)
+        if isinstance(raw, str) and len(raw) < MAX_TEXT:
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                continue
+            parsed = parse_comfy_api(data) if key == "prompt" else parse_comfy_workflow(data)
+            if parsed:
+                return parsed
+    return None
+
+
+def from_own(meta: dict) -> dict:
+    params = dict(meta.get("params") or {})
+    params.setdefault("seed", meta.get("seed"))
+    adapters = [{"name": a.get("name"), "scale": a.get("scale", 1.0)} for a in meta.get("adapters") or []
+                if isinstance(a, dict) and a.get("name")]
+    return {"source": "lora_studio", "model": meta.get("model"), "params": params, "adapters": adapters,
+            "preset": meta.get("preset"), "extra": {}}
+
+
+def _user_comment(raw: bytes) -> str:
+    head, body = raw[:8], raw[8:]
+    if head.startswith(b"UNICODE"):
+        for enc in ("utf-16-be", "utf-16-le"):
+            try:
+                text = body.decode(enc)
+                if text.isprintable() or "\n" in text:
+                    return text
+            except UnicodeDecodeError:
+                continue
+    return body.decode("utf-8", "replace")
+
+
+def lora_tags(prompt: str) -> tuple[str, list[dict]]:
+    """``<lora:NAME:WEIGHT>`` tags (A1111; extra ``:TE`` weights ignored) out of the text."""
+    adapters = []
+    for m in _LORA.finditer(prompt or ""):
+        try:
+            scale = float(m.group(2)) if m.group(2) not in (None, "") else 1.0
+        except ValueError:
+            scale = 1.0
+        adapters.append({"name": m.group(1).strip(), "scale": scale})
+    text = _LORA.sub(" ", prompt or "")
+    text = re.sub(r"\s+([,.;])", r"\1", text)
+    text = re.sub(r"[ \t]{2,}", " ", text).strip().strip(",").strip()
+    return text, adapters
+
+
+def parse_a1111(text: str) -> dict | None:
+    """AUTOMATIC1111 / Forge infotext: the prompt, ``Negative prompt: ...``, then the settings line."""
+    lines = text.strip().split("\n")
+    settings: dict[str, str] = {}
+    last = lines[-1] if lines else ""
+    found = _PARAM.findall(last)
+    if len(found) >= 3:
+        settings = {k.strip(): v.strip() for k, v in found}
+        lines = lines[:-1]
+    prompt, negative, in_negative = [], [], False
+    for line in lines:
+        if line.startswith("Negative prompt:"):
+            in_negative = True
+            line = line[len("Negative prompt:"):].strip()
+        (negative if in_negative else prompt).append(line)
+    if not settings and not prompt:
+        return None
+    if not settings:  # a bare "parameters" text without A1111's settings line is not an infotext
+        return None
+    text_prompt, adapters = lora_tags("\n".join(prompt).strip())
+    params: dict = {"prompt": text_prompt}
+    if negative:
+        params["negative_prompt"] = "\n".join(negative).strip()
+    extra = {}
+    for key, value in settings.items():
+        value = value[1:-1] if value.startswith('"') and value.endswith('"') else value
+        try:
+            if key == "Steps":
+                params["num_inference_steps"] = int(value)
+            elif key == "CFG scale":
+                params["guidance_scale"] = float(value)
+            elif key == "Seed":
+                params["seed"] = int(value)
+            elif key == "Size" and _SIZE.match(value):
+                w, h = _SIZE.match(value).groups()
+                params["width"], params["height"] = int(w), int(h)
+            else:
+                extra[key] = value
+        except ValueError:
+            extra[key] = value
+    return {"source": "a1111", "model": None, "params": params, "adapters": adapters, "extra": extra}
+
+
+def _lora_name(value) -> str:
+    name = PurePosixPath(str(value).replace("\\", "/")).name
+    for suffix in (".safetensors", ".ckpt", ".pt", ".bin"):
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+SAMPLERS = ("KSampler", "KSamplerAdvanced", "SamplerCustom")
+TEXT_NODES = ("CLIPTextEncode", "CLIPTextEncodeSDXL", "CLIPTextEncodeFlux", "TextEncodeQwenImageEdit")
+
+
+def parse_comfy_api(graph) -> dict | None:
+    """ComfyUI's API-format graph (the PNG's ``prompt`` chunk): the sampler's seed/steps/cfg, the
+    texts of the CLIPTextEncode nodes wired to its positive and negative inputs, the latent's size,
+    and LoraLoader nodes."""
+    if not isinstance(graph, dict):
+        return None
+    nodes = {str(k): v for k, v in graph.items() if isinstance(v, dict) and "class_type" in v}
+    sampler = next((n for n in nodes.values() if n.get("class_type") in SAMPLERS), None)
+    if sampler is None:
+        return None
+
+    def text_of(link, depth=0):
+        """Follow a link ([node_id, slot]) back to a string (a text encoder's ``text``, a primitive)."""
+        if isinstance(link, str):
+            return link
+        if depth > 8 or not isinstance(link, list) or not link:
+            return None
+        node = nodes.get(str(link[0])) or {}
+        inputs = node.get("inputs") or {}
+        for key in ("text", "text_g", "prompt", "string", "value", "conditioning", "positive"):
+            if key in inputs:
+                found = text_of(inputs[key], depth + 1)
+                if found is not None:
+                    return found
+        return None
+
+    inputs = sampler.get("inputs") or {}
+    params: dict = {}
+    for key, field, kind in (("seed", "seed", int), ("noise_seed", "seed", int), ("steps", "num_inference_steps", int),
+                             ("cfg", "guidance_scale", float)):
+        value = inputs.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            params[field] = kind(value)
+    positive, negative = text_of(inputs.get("positive")), text_of(inputs.get("negative"))
+    if positive is not None:
+        params["prompt"] = positive
+    if negative:
+        params["negative_prompt"] = negative
+    latent = nodes.get(str((inputs.get("latent_image") or [None])[0])) or {}
+    lin = latent.get("inputs") or {}
+    if isinstance(lin.get("width"), int) and isinstance(lin.get("height"), int):
+        params["width"], params["height"] = lin["width"], lin["height"]
+    adapters = []
+    for node in nodes.values():
+        if node.get("class_type") in ("LoraLoader", "LoraLoaderModelOnly"):
+            nin = node.get("inputs") or {}
+            if nin.get("lora_name"):
+                adapters.append({"name": _lora_name(nin["lora_name"]),
+                                 "scale": float(nin.get("strength_model", 1.0))})
+    extra = {k: inputs[k] for k in ("sampler_name", "scheduler", "denoise") if k in inputs}
+    ckpt = next((n.get("inputs", {}).get("ckpt_name") for n in nodes.values()
+                 if n.get("class_type") == "CheckpointLoaderSimple"), None)
+    if ckpt:
+        extra["checkpoint"] = ckpt
+    return {"source": "comfyui", "model": None, "params": params, "adapters": adapters, "extra": extra}
+
+
+# widgets_values positions in ComfyUI's UI-format workflow
+_WIDGETS = {"KSampler": {"seed": 0, "steps": 2, "cfg": 3, "sampler_name": 4, "scheduler": 5},
+            "KSamplerAdvanced": {"noise_seed": 1, "steps": 3, "cfg": 4, "sampler_name": 5, "scheduler": 6}}
+
+
+def parse_comfy_workflow(workflow) -> dict | None:
+    """ComfyUI's UI-format workflow (the PNG's ``workflow`` chunk: nodes with ``widgets_values`` and a
+    ``links`` table), turned into the API shape and read as one."""
+    if not isinstance(workflow, dict) or not isinstance(workflow.get("nodes"), list):
+        return None
+    links = {}
+    for link in workflow.get("links") or []:
+        if isinstance(link, list) and len(link) >= 3:  # [id, from_node, from_slot, to_node, to_slot, type]
+            links[link[0]] = [str(link[1]), link[2]]
+    graph = {}
+    for node in workflow["nodes"]:
+        if not isinstance(node, dict) or "id" not in node:
+            continue
+        kind, values = node.get("type"), node.get("widgets_values") or []
+        inputs = {}
+        for slot in node.get("inputs") or []:
+            if isinstance(slot, dict) and slot.get("link") in links:
+                inputs[slot.get("name")] = links[slot["link"]]
+        if kind in _WIDGETS and isinstance(values, list):
+            for key, i in _WIDGETS[kind].items():
+                if i < len(values):
+                    inputs[key] = values[i]
+        elif kind in TEXT_NODES and values and isinstance(values[0], str):
+            inputs.setdefault("text", values[0])
+        elif kind == "EmptyLatentImage" and len(values) >= 2:
+            inputs["width"], inputs["height"] = values[0], values[1]
+        elif kind in ("LoraLoader", "LoraLoaderModelOnly") and len(values) >= 2:
+            inputs["lora_name"], inputs["strength_model"] = values[0], values[1]
+        elif kind == "CheckpointLoaderSimple" and values:
+            inputs["ckpt_name"] = values[0]
+        elif kind and kind.startswith("Primitive") and values and isinstance(values[0], str):
+            inputs["value"] = values[0]
+        graph[str(node["id"])] = {"class_type": kind, "inputs": inputs}
+    return parse_comfy_api(graph)
