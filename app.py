@@ -351,9 +351,12 @@ def _share_when_listening(host: str, port: int, auth) -> None:
 
 
 def cmd_adapters(args) -> int:
+    from backend import settings
     from backend.lora import list_adapters
     from backend.lora.library import format_rows
 
+    for path in settings.retire_old_demo_layout(args.data_dir):  # an older version's demo files in the library
+        print(f"removed {path} (demo files now live in <data-dir>/demo, outside your library)", file=sys.stderr)
     rows = list_adapters(args.model, args.adapter_dir, args.data_dir)
     print(format_rows(rows) if rows else "no adapters found in the library roots")
     if args.model:

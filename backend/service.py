@@ -41,6 +41,7 @@ class Studio:
             raise InvalidParameter(f"--replicas must be >= 1 and --gpus-per-replica >= 0, got {replicas} and "
                                    f"{gpus_per_replica}", param="replicas" if replicas < 1 else "gpus_per_replica")
         self.data_dir = settings.data_dir(data_dir)
+        settings.retire_old_demo_layout(self.data_dir)  # an older version's demo files in the user's library
         self.resolver = AdapterResolver(adapter_dirs, self.data_dir, model=self.current_model)
         # the one start config (backend/config.py: every rule across its fields is checked there, once)
         self.config = RuntimeConfig(

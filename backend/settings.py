@@ -5,7 +5,10 @@ The data directory comes from ``--data-dir``, else ``$LORA_STUDIO_HOME``, else
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import struct
 from pathlib import Path
 
 ENV_VAR = "LORA_STUDIO_HOME"
@@ -67,3 +70,47 @@ def _sub(root, name: str) -> Path:
     path = data_dir(root) / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+#: the file that marks a folder of demo adapters as ours (backend/lora/demo_adapters.py)
+DEMO_ADAPTERS_MARKER = ".demo-adapters"
+
+
+def retire_old_demo_layout(data_dir=None) -> list[str]:
+    """Remove what versions before the demo root wrote into the user's own library: the demo adapter
+    folder ``<library>/demo`` (ours only when it carries our marker) and the distill stand-ins in
+    ``<library>/distill`` (ours only when their safetensors header carries ``lora_studio_demo``); a
+    user's file there is never touched. Returns what was removed (a leftover would list every demo
+    adapter twice and rename them by path)."""
+    library = adapters_dir(data_dir)
+    removed: list[str] = []
+    old = library / "demo"
+    if (old / DEMO_ADAPTERS_MARKER).is_file() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(str(old))
+        lock = library / "demo.lock"  # its writer's lock file
+        if lock.is_file() and not lock.is_symlink():
+            lock.unlink()
+    stand_ins = library / "distill"
+    if stand_ins.is_dir() and not stand_ins.is_symlink():
+        for f in sorted(stand_ins.glob("*.safetensors")):
+            if f.is_file() and not f.is_symlink() and "lora_studio_demo" in _header_metadata(f):
+                f.unlink()
+                removed.append(str(f))
+        try:
+            stand_ins.rmdir()  # only when nothing of the user's is left in it
+        except OSError:
+            pass
+    return removed
+
+
+def _header_metadata(path: Path) -> dict:
+    """A safetensors file's ``__metadata__`` from its JSON header (no tensor read); {} if unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            if size > 8 << 20:
+                return {}
+            return json.loads(fh.read(size)).get("__metadata__") or {}
+    except (OSError, ValueError, struct.error):
+        return {}

@@ -55,6 +55,34 @@ def test_adapters_command_without_a_model_builds_nothing(tmp_path, demo_path):
     assert _files(home / "adapters") == sorted(mine) and not (home / "models").exists()
 
 
+def test_an_older_versions_demo_files_leave_the_library_and_the_users_stay(tmp_path, library):
+    """Before the demo root, demo adapters went to <library>/demo and stand-ins to <library>/distill:
+    left there they list every demo adapter twice (renamed by path). The first `app.py adapters` (or
+    server start) removes what carries our marker, and nothing of the user's."""
+    import shutil
+
+    from safetensors.torch import save_file
+    import torch
+
+    home = tmp_path / "home"
+    old = home / "adapters" / "demo"
+    shutil.copytree(library, old)  # the old layout: the same folder, marker included
+    (home / "adapters" / "demo.lock").write_text("")
+    stand_ins = home / "adapters" / "distill"
+    stand_ins.mkdir()
+    save_file({"x": torch.zeros(1)}, str(stand_ins / "old-standin.safetensors"), metadata={"lora_studio_demo": "{}"})
+    save_file({"x": torch.zeros(1)}, str(stand_ins / "users-own.safetensors"), metadata={"format": "pt"})
+    mine = home / "adapters" / "demo-look" / "style.safetensors"  # a user's folder named like ours, no marker
+    mine.parent.mkdir()
+    save_file({"x": torch.zeros(1)}, str(mine))
+    r = _adapters_cli(home)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not old.exists() and not (home / "adapters" / "demo.lock").exists(), r.stderr
+    assert _files(home / "adapters") == sorted([stand_ins / "users-own.safetensors", mine]), r.stderr
+    assert str(old) in r.stderr and "old-standin" in r.stderr
+    assert "qwen-image-ink-kohya" not in r.stdout
+
+
 def test_demo_adapters_are_in_the_demo_root_and_listed_only_for_demo_models(library, data_dir):
     from backend.lora import list_adapters
 

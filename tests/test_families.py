@@ -149,8 +149,8 @@ def test_family_facts_agree(module, data_dir):
     assert set(routing.distill or {}) <= set(family.denoisers)
     assert set(family.tasks.values()) <= set(family.denoisers)
     assert routing.shared_prefix in (None, *family.denoisers)
-    if routing.fit_report:
-        mod, name = routing.fit_report.split(":")
+    if routing.hooks:
+        mod, name = routing.hooks.split(":")
         assert callable(getattr(importlib.import_module(mod), name))
     if family.tasks:
         spec = family.pipelines[0]

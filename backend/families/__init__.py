@@ -70,8 +70,9 @@ class LoraRouting:
     distill_pipelines: frozenset | None = None
     # keys under this prefix bind to every denoiser, each with its own scale (Wan2.2's experts)
     shared_prefix: str | None = None
-    # "module:function" of the family's own fit report (contracts, layouts); None: the generic one
-    fit_report: str | None = None
+    # "module:Class" of the family's LoRA hooks around the one engine (backend/lora/family.py: convert,
+    # fit targets, per-request checks, who serves requests); None: the generic ``LoRAFamily``
+    hooks: str | None = None
 
 
 @dataclass(frozen=True)

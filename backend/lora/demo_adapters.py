@@ -33,7 +33,7 @@ from filelock import FileLock
 from .. import settings
 
 VERSION = 4
-MARKER = ".demo-adapters"
+MARKER = settings.DEMO_ADAPTERS_MARKER
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ factors per component, and which per-request rules its adapters carry:
 - ``engine_options(manager)``: options the family fixes (MiniMax-H3 under offload: unfused, factors on
   the compute device) and ``bind(manager, engine)``: hand the engine to a family's own generate path.
 
-``hooks_for(pipeline_cls)`` picks the family by pipeline class name: one row per family in
-``FAMILY_HOOKS`` (a lazy import path, so reading this table imports no family).
+``hooks_for(pipeline_cls)`` picks them by pipeline class name from the one family table
+(``backend/families``: ``LoraRouting.hooks``, a lazy "module:Class" path, so reading the table
+imports no family); a family without hooks gets ``LoRAFamily``.
 """
 from __future__ import annotations
 
@@ -28,12 +29,6 @@ import torch
 
 from .convert import ConvertedAdapter, convert
 from .fit import FitReport, fit
-
-#: pipeline class name -> "module:Class" of its hooks; a pipeline not listed gets ``LoRAFamily``.
-FAMILY_HOOKS = {
-    "MiniMaxH3ModularPipeline": "backend.minimax.adapters:MiniMaxLoRAFamily",
-}
-
 
 @dataclass
 class Converted:
@@ -78,8 +73,12 @@ class LoRAFamily:
 
 def hooks_for(pipeline_cls) -> LoRAFamily:
     """The family hooks for a pipeline (class or instance)."""
+    from .. import families  # the one family table: a family's hooks are one of its facts (LoraRouting.hooks)
+
     cls = pipeline_cls if isinstance(pipeline_cls, type) else type(pipeline_cls)
-    target = FAMILY_HOOKS.get(getattr(cls, "__name__", ""))
+    name = getattr(cls, "__name__", "")
+    target = next((f.lora.hooks for f in families.candidates(name) if f.lora.hooks), None) \
+        if name in families.FAMILIES else None
     if target is None:
         return LoRAFamily(cls)
     module, _, name = target.partition(":")
