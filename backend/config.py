@@ -99,11 +99,12 @@ class RuntimeConfig(BaseModel):
     @field_validator("gguf", mode="before")
     @classmethod
     def _gguf(cls, value):
-        if value is None:
+        if not value:
             return ()
-        if isinstance(value, dict):
-            return tuple(f"{c}={p}" for c, p in value.items())
-        return _paths(value)
+        from . import quant  # imports torch: only when a GGUF file is given
+
+        # "COMPONENT=PATH" each, the path checked (exists, GGUF magic) and resolved; a bare path: transformer
+        return tuple(f"{c}={p}" for c, p in quant.check(None, value).gguf.items())
 
     @field_validator("device", "dtype", "lora_mode", "preset", mode="before")
     @classmethod

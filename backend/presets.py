@@ -270,9 +270,9 @@ class Located:
 
 
 def _roots(data_dir, adapter_dirs) -> list[Path]:
-    roots = [Path(d).expanduser() for d in (adapter_dirs or [])]
-    roots.append(settings.adapters_dir(data_dir))
-    return [r for r in roots if r.is_dir()]
+    """The adapter roots in the one search order every lookup uses (``settings.adapter_roots``: the
+    library, then each ``--adapter-dir``); a preset's files are never demo adapters."""
+    return [r for r in settings.adapter_roots(adapter_dirs, data_dir) if r.is_dir()]
 
 
 def _is_demo_standin(path: Path) -> bool:

@@ -19,14 +19,14 @@ from ui_fixtures import ROOT, app_home, served_app
 
 FAST = {"prompt": "a lighthouse", "height": 64, "width": 64, "num_inference_steps": 4, "true_cfg_scale": 1.0,
         "seed": 11}
-INK = "demo/qwen-image/qwen-image-ink-kohya.safetensors"
+INK = "qwen-image/qwen-image-ink-kohya.safetensors"  # relative to the demo root, <data-dir>/demo/adapters
 
 
 @pytest.fixture(scope="module")
 def served(data_dir, demo_path, library, tmp_path_factory):
     demo_path("demo:qwen-image")
     home = app_home(data_dir, tmp_path_factory, "sched-api")
-    with served_app(home, "--lora-mode", "merge", "--adapter-dir", str(library.parent)) as app:
+    with served_app(home, "--lora-mode", "merge", "--adapter-dir", str(library)) as app:
         with app.client() as client:
             yield client
 
@@ -95,7 +95,7 @@ def test_cli_takes_the_text_forms(data_dir, library, tmp_path):
     """``app.py generate --lora-scale 1.0,-0.5`` runs the schedule; a bad one exits naming the flag."""
     out = tmp_path / "sched.png"
     common = ["--model", "demo:qwen-image", "--device", "cpu", "--data-dir", str(data_dir), "--num-inference-steps",
-              "4", "--height", "64", "--width", "64", "--seed", "3", "--lora-path", str(library / INK.split("/", 1)[1])]
+              "4", "--height", "64", "--width", "64", "--seed", "3", "--lora-path", str(library / INK)]
     proc = subprocess.run([sys.executable, "app.py", "generate", "--prompt", "a cat", *common, "--lora-scale",
                            "1.0,-0.5", "--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

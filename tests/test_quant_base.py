@@ -241,12 +241,12 @@ def test_served_fp8_base_runs_adapters_unfused_and_refuses_merge(fp8_server):
     assert system["quantization"] == "fp8 (float8_e4m3fn)"
     assert system["lora_cache"]["unfused"]["mode"] == "unfused"
     base = post(fp8_server)
-    styled = post(fp8_server, lora={"path": "demo/sd3.5/sd35-watercolor.safetensors", "scale": 1.0})
+    styled = post(fp8_server, lora={"path": "sd3.5/sd35-watercolor.safetensors", "scale": 1.0})
     meta = styled.json()["data"][0]["metadata"]
     assert meta["quantization"] == "fp8 (float8_e4m3fn)" and meta["adapters"][0]["mode"] == "unfused"
     assert np.abs(pixels(styled) - pixels(base)).mean() > 1.0
     assert np.array_equal(pixels(post(fp8_server)), pixels(base))  # the base, bit for bit, after the adapter
-    r = post(fp8_server, lora={"path": "demo/sd3.5/sd35-watercolor.safetensors"}, lora_mode="merge")
+    r = post(fp8_server, lora={"path": "sd3.5/sd35-watercolor.safetensors"}, lora_mode="merge")
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_mode", r.text
     assert "quantized" in r.json()["error"]["message"]
 

@@ -122,7 +122,7 @@ def server(data_dir, demo_path, tmp_path_factory):
     ({"offload": "model", "device": "cpu"}, "offload", "needs a CUDA device"),
     ({"offload": "group", "offload_stream": True, "device": "cpu"}, "offload_stream", "needs a CUDA device"),
     ({"offload_stream": True}, "offload_stream", "--offload group"),
-    ({"offload": "group", "engine": "ray"}, "offload", "--engine ray"),
+    ({"model": "demo:minimax-h3", "offload": "group", "engine": "ray"}, "offload", "--engine ray"),
     ({"preset": "no-such-preset"}, "preset", "unknown preset"),
     ({"engine": "k8s"}, "engine", "local, ray"),
     ({"colour": "red"}, "colour", "unknown argument"),
