@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import tempfile
 import threading
@@ -73,6 +74,12 @@ class Studio:
             self.supervisor = Supervisor(self.queue, self.config, job_timeout=self.limits.job_timeout)
         self.started_at = time.time()
         self._closed = False
+        # the LoRA browser's generated previews: pending job id -> adapter sha256, and every preview
+        # job id this server made (not counted as uses); the PNGs live in <data-dir>/previews
+        self._previews: dict[str, str] = {}
+        self._preview_jobs: set[str] = set()
+        self._preview_urls: dict[str, tuple] = {}
+        self._preview_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, *, timeout: float = 600.0) -> "Studio":
@@ -196,6 +203,14 @@ class Studio:
                 h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}\n".encode())
         h.update(repr(sorted(self.resolver.registered().items())).encode())
         h.update(str(self.current_model()).encode())
+        self._collect_previews()  # a finished preview job's PNG is written now, so the cards redraw
+        with self._preview_lock:
+            h.update(repr(sorted(self._previews.values())).encode())
+        try:
+            h.update(repr(sorted((p.name, p.stat().st_mtime_ns) for p in settings.previews_dir(self.data_dir)
+                                 .glob("*.png"))).encode())
+        except OSError:
+            pass
         return h.hexdigest()
 
     def cancel(self, job_id: str) -> dict:
@@ -289,9 +304,17 @@ class Studio:
         from .lora import cards
 
         model = self.current_model()
+        self._collect_previews()
+        with self._preview_lock:
+            pending = set(self._previews.values())
         out = []
         for row in self.adapters():
             card = cards.header_card(row["path"]) if row.get("usable") else {**cards.card_info({}), "mtime": 0.0}
+            sha = row.get("sha256") or ""
+            thumb, made = card["thumbnail"], None
+            if not thumb and row.get("usable"):
+                thumb = self._preview_url(sha)
+                made = "generated" if thumb else None
             fits = bool(row["fit"]["ok"])
             hint = row.get("base_model") or card["base_model"]
             # the family: the publisher's hint, else the loaded model's when it fits, else the file's name
@@ -306,9 +329,111 @@ class Studio:
                         "fit": row["fit"]["summary"], "model": model, "family": family,
                         "family_source": source if family else None,
                         "base_model": cards.clean_text(hint or ""), "title": card["title"],
-                        "triggers": card["triggers"], "thumbnail": card["thumbnail"],
+                        "triggers": card["triggers"], "thumbnail": thumb, "thumbnail_source": made or
+                        ("file" if thumb else None), "preview_pending": bool(sha) and sha in pending,
                         "thumbnail_note": card["thumbnail_note"], "pinned": row.get("pinned", False)})
         return out
+
+    def adapter_use_counts(self) -> dict[str, int]:
+        """How many succeeded jobs used each adapter (by name, from the job rows' adapters): the LoRA
+        browser's "most used" sort. Preview jobs (``make_preview``) made by this server are not uses."""
+        counts: dict[str, int] = {}
+        with self._preview_lock:
+            previews = set(self._preview_jobs)
+        for job in self.queue.list(limit=1_000_000, status="succeeded"):
+            if job["id"] in previews:
+                continue
+            for name in {a.get("name") for a in job.get("adapters") or [] if isinstance(a, dict)}:
+                if isinstance(name, str) and name:
+                    counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def make_preview(self, name: str) -> dict:
+        """Queue one small job that previews an adapter for the LoRA browser: the adapter at scale
+        1.0, 4 steps, seed 0, the loaded model's smallest sensible size (its default, the short side
+        at most ``PREVIEW_SIDE``), the prompt its first trigger word (else its name). When it has
+        succeeded its image is written (as a 256 px thumbnail) to ``<data-dir>/previews/<sha256>.png``
+        and shown on the adapter's card (``adapter_cards``). Returns the job (an adapter whose
+        preview is already being made returns that job)."""
+        from .lora import cards
+
+        row = next((r for r in self.adapters() if r["name"] == name), None) if isinstance(name, str) else None
+        if row is None:
+            raise AdapterNotFound(f"no adapter named {str(name)[:100]!r} in the library", param="name")
+        if not row.get("usable") or not row["fit"]["ok"]:
+            raise InvalidParameter(f"{name} does not fit the loaded model ({self.current_model()}); previews "
+                                   "are made with the loaded model", param="name")
+        sha = row.get("sha256") or ""
+        if not _SHA256.fullmatch(sha):
+            raise InvalidParameter(f"{name}: no checksum to name its preview by", param="name")
+        with self._preview_lock:
+            for job_id, pending in self._previews.items():
+                if pending == sha:
+                    return self.job(job_id)
+        triggers = cards.header_card(row["path"])["triggers"]
+        prompt = next((t for t in triggers if "<lora:" not in t.lower()), "")
+        if not prompt.strip():
+            prompt = name if "<lora:" not in name.lower() else "a picture"
+        spec = (self.supervisor.info or {}).get("spec") or _static_spec(self.current_model(), self.data_dir) or {}
+        job = self.submit("generate", _preview_params(spec, prompt), [{"name": name, "scale": 1.0}])
+        with self._preview_lock:
+            self._previews[job["id"]] = sha
+            self._preview_jobs.add(job["id"])
+        return job
+
+    def _collect_previews(self) -> None:
+        """Write the thumbnails of preview jobs that have succeeded; forget those that ended otherwise."""
+        with self._preview_lock:
+            pending = dict(self._previews)
+        for job_id, sha in pending.items():
+            try:
+                job = self.job(job_id)
+            except StudioError:
+                job = {"status": "failed"}
+            if job["status"] not in FINISHED:
+                continue
+            if job["status"] == "succeeded":
+                try:
+                    self._write_preview(job_id, sha)
+                except Exception:  # noqa: BLE001 - the card keeps its "make preview" button
+                    pass
+            with self._preview_lock:
+                self._previews.pop(job_id, None)
+
+    def _write_preview(self, job_id: str, sha: str) -> None:
+        from PIL import Image
+
+        from .outputs import _atomic_write
+
+        src = self.result_image(job_id)["path"]
+        with Image.open(src) as im:
+            thumb = im.convert("RGB")
+        thumb.thumbnail((PREVIEW_THUMB, PREVIEW_THUMB))
+        _atomic_write(settings.previews_dir(self.data_dir) / f"{sha}.png",
+                      lambda tmp: thumb.save(tmp, format="PNG"))
+
+    def _preview_url(self, sha: str) -> str | None:
+        """The generated preview of the adapter with this sha256 as a PNG data URL (None if none)."""
+        import base64
+
+        if not _SHA256.fullmatch(sha or ""):
+            return None
+        path = settings.previews_dir(self.data_dir) / f"{sha}.png"
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        stamp = (st.st_mtime_ns, st.st_size)
+        hit = self._preview_urls.get(sha)
+        if hit and hit[0] == stamp:
+            return hit[1]
+        if st.st_size > 4 << 20:
+            return None
+        url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+        if len(self._preview_urls) > 4000:
+            self._preview_urls.clear()
+        self._preview_urls[sha] = (stamp, url)
+        return url
 
     def adapter_detail(self, name: str) -> dict:
         for row in self.adapters():
@@ -579,6 +704,35 @@ def job_error(job: dict) -> StudioError:
         return Cancelled(f"job {job['id']} was cancelled", param="job_id")
     detail = {"status": 500, "type": "server_error", **(job.get("error_detail") or {})}  # a row with none: 500
     return StudioError.from_wire(detail, message=job.get("error") or "the job failed")
+
+
+PREVIEW_SIDE = 512  # a generated preview's short side at most (the model's default if smaller)
+PREVIEW_THUMB = 256  # the cached preview PNG's longest side at most
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _preview_params(spec: dict, prompt: str) -> dict:
+    """A preview job's fields for a model spec: 4 steps, seed 0, the smallest sensible size and
+    frame count the spec allows. Refused for a model that needs an input image."""
+    from .families import spec_for
+
+    fields, defaults = set(spec.get("fields") or ()), spec.get("defaults") or {}
+    try:
+        shape = spec_for(spec["pipeline"])
+    except Exception:  # noqa: BLE001 - an unknown pipeline: the usual multiple, no frame rule
+        shape = None
+    if shape is not None and "image" in shape.required:
+        raise InvalidParameter(f"{spec.get('pipeline')} needs an input image; previews are made with "
+                               "text-to-image or text-to-video models", param="name")
+    m = shape.size_multiple if shape is not None else 16
+    params = {"prompt": prompt, "seed": 0, "num_inference_steps": 4}
+    h, w = defaults.get("height"), defaults.get("width")
+    if isinstance(h, int) and isinstance(w, int) and h > 0 and w > 0:
+        k = min(1.0, PREVIEW_SIDE / min(h, w))
+        params["height"], params["width"] = (max(m, int(v * k) // m * m) for v in (h, w))
+    if "num_frames" in fields:
+        params["num_frames"] = 1  # k * frame_multiple + 1 with k = 0: one frame
+    return {k: v for k, v in params.items() if k == "prompt" or k in fields}
 
 
 def _cached_repo(model_id: str) -> bool:

@@ -62,6 +62,11 @@ def outputs_dir(root: str | os.PathLike | None = None) -> Path:
     return _sub(root, "outputs")
 
 
+def previews_dir(root: str | os.PathLike | None = None) -> Path:
+    """The LoRA browser's generated previews: ``<sha256 of the adapter>.png`` (Studio.make_preview)."""
+    return _sub(root, "previews")
+
+
 def jobs_db(root: str | os.PathLike | None = None) -> Path:
     return data_dir(root) / "jobs.sqlite"
 

@@ -40,6 +40,9 @@ CSS = """
 .ls-trigger { border: 1px solid var(--border-color-primary); border-radius: 10px; padding: 0 8px;
               font-size: .8em; cursor: pointer; background: var(--background-fill-secondary); }
 .ls-add { border-radius: 6px; padding: 2px 8px; cursor: pointer; background: var(--color-accent); color: white; }
+.ls-lcard:not(.ls-lcard-off) { cursor: pointer; }
+.ls-preview { border: 1px solid var(--border-color-primary); border-radius: 6px; padding: 2px 8px; cursor: pointer; }
+.ls-uses, .ls-preview-pending { font-size: .8em; opacity: .8; }
 .ls-badge { background: var(--color-accent); color: white; border-radius: 4px; padding: 0 6px; font-size: .8em; }
 """
 

@@ -1,12 +1,15 @@
 """The LoRA browser (in the Generate tab, as A1111's and Forge's LoRA cards are): a card per adapter
 in the library with its preview, trigger words, base-model family, rank/alpha/size and whether it
-fits the loaded model; search, filter by family and fit, sort by name, date or size.
+fits the loaded model; search, filter by family and fit, sort by name, date, size or use
+(``Studio.adapter_use_counts``: succeeded jobs that used it).
 
 While the panel is open it follows the library (an import, a deletion, a model switch redraw
 the cards within ``POLL_S``). Clicking a trigger word inserts it into the prompt (in the page, no server round trip); a card's
-"Add to stack" puts the adapter into the Generate tab's stack through the same handler as the
-stack's own Add button. The cards come from ``Studio.adapter_cards()`` (headers only, cached);
-``views.card_html`` escapes everything a file says.
+"Add to stack", or a click anywhere else on a fitting card, puts the adapter into the Generate tab's
+stack through the same handler as the stack's own Add button. "Make preview" (on a card with no
+picture) queues ``Studio.make_preview``: one 4-step job whose image the Studio caches under
+``<data-dir>/previews`` and shows on the card from then on. The cards come from
+``Studio.adapter_cards()`` (headers only, cached); ``views.card_html`` escapes everything a file says.
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ from .views import error_html, ok_html, readable
 POLL_S = 2.0  # how often an open browser asks whether the library changed (a cheap signature)
 
 # Delegated clicks on the cards (the HTML is re-rendered, so listeners live on the document):
-# a trigger word is appended to the prompt, ", " separated; "Add to stack" posts the adapter's
-# name (with a nonce, so adding the same name again is a change) to a hidden textbox.
+# a trigger word is appended to the prompt, ", " separated; "Make preview" posts the adapter's name
+# (with a nonce, so asking again is a change) to a hidden textbox; "Add to stack", or a click on a
+# fitting card's body (not on a button or link), posts it to another.
 PAGE_JS = """
 () => {
   const setText = (el, value) => {
@@ -36,11 +40,19 @@ PAGE_JS = """
       setText(box, cur ? `${cur}, ${word}` : word);
       return;
     }
-    const add = e.target.closest && e.target.closest("#lora-browser .ls-add");
-    if (add) {
-      const box = document.querySelector("#lora-browser-action textarea, #lora-browser-action input");
-      if (box) setText(box, `${add.getAttribute("data-name") || ""}\\n${Date.now()}`);
+    const post = (id, name) => {
+      const box = document.querySelector(`#${id} textarea, #${id} input`);
+      if (box) setText(box, `${name || ""}\\n${Date.now()}`);
+    };
+    const prev = e.target.closest && e.target.closest("#lora-browser .ls-preview");
+    if (prev) {
+      post("lora-browser-preview", prev.getAttribute("data-name"));
+      return;
     }
+    const add = e.target.closest && (e.target.closest("#lora-browser .ls-add") ||
+      (!e.target.closest("button, a, input, textarea, select") &&
+       e.target.closest("#lora-browser .ls-lcard:not(.ls-lcard-off)")));
+    if (add) post("lora-browser-action", add.getAttribute("data-name"));
   });
 }
 """
@@ -58,6 +70,7 @@ def build(studio, gen) -> None:
             refresh = gr.Button("Refresh", scale=0, min_width=80, elem_id="lora-refresh")
         cards = gr.HTML(elem_id="lora-cards")
         action = gr.Textbox(visible="hidden", elem_id="lora-browser-action")
+        make = gr.Textbox(visible="hidden", elem_id="lora-browser-preview")
         # while the panel is open the cards follow the library (imports, deletions, a model switch)
         timer = gr.Timer(POLL_S, active=False)
         seen = gr.State(None)  # the library signature the cards were drawn from
@@ -65,7 +78,8 @@ def build(studio, gen) -> None:
     def show(q, fam, only_fit, order):
         try:
             sig = studio.library_signature()
-            all_cards = studio.adapter_cards()
+            uses = studio.adapter_use_counts()
+            all_cards = [{**c, "uses": uses.get(c["name"], 0)} for c in studio.adapter_cards()]
         except Exception as exc:
             return gr.update(), error_html(readable(exc)), None
         fams = views.browser_families(all_cards)
@@ -103,3 +117,15 @@ def build(studio, gen) -> None:
 
     action.change(add, [action, gen.stack, gen.model], [gen.stack, *gen.row_outputs(), gen.status],
                   api_visibility="private", queue=False)
+
+    def preview(value):
+        name = str(value or "").split("\n", 1)[0]
+        if not name:
+            return gr.update()
+        try:
+            job = studio.make_preview(name)
+        except Exception as exc:
+            return error_html(readable(exc))
+        return ok_html(f"making a preview of {name} (job {job['id']}); it shows on its card when done")
+
+    make.change(preview, [make], [gen.status], api_visibility="private", queue=False)

@@ -319,7 +319,7 @@ def settings_from_metadata(meta: dict) -> dict:
 
 # -- the LoRA browser -------------------------------------------------------------------------
 ALL_FAMILIES = "all families"
-BROWSER_SORTS = ("name", "newest", "largest")
+BROWSER_SORTS = ("name", "newest", "largest", "most used")
 
 
 def browser_families(cards: list[dict]) -> list[str]:
@@ -331,7 +331,8 @@ def browser_families(cards: list[dict]) -> list[str]:
 def filter_cards(cards: list[dict], query: str = "", family: str = ALL_FAMILIES, fits_only: bool = False,
                  sort: str = "name") -> list[dict]:
     """Cards whose name, title or a trigger word contains every word of ``query`` (any case), of
-    ``family``, fitting the loaded model if ``fits_only``; sorted by name, newest or largest first."""
+    ``family``, fitting the loaded model if ``fits_only``; sorted by name, newest or largest first,
+    or most used first (``uses``: finished jobs that used it; ties by name)."""
     words = str(query or "").lower().split()
     out = []
     for c in cards:
@@ -347,6 +348,8 @@ def filter_cards(cards: list[dict], query: str = "", family: str = ALL_FAMILIES,
         out.sort(key=lambda c: (-(c.get("mtime") or 0), c["name"].lower()))
     elif sort == "largest":
         out.sort(key=lambda c: (-(c.get("size_bytes") or 0), c["name"].lower()))
+    elif sort == "most used":
+        out.sort(key=lambda c: (-(c.get("uses") or 0), c["name"].lower()))
     else:
         out.sort(key=lambda c: c["name"].lower())
     return out
@@ -357,13 +360,15 @@ def _attr(text) -> str:
 
 
 def card_html(c: dict) -> str:
-    """One card: preview (the embedded thumbnail or a placeholder), name, family/fit, numbers,
-    clickable trigger words, an Add button (only when it fits), and the reason when it cannot be used.
-    Everything from the file is escaped; the thumbnail is a data URL the backend checked."""
+    """One card: preview (the embedded thumbnail, a generated one or a placeholder), name, family/fit,
+    numbers and uses, clickable trigger words, an Add button and "Make preview" (only when it fits;
+    a fitting card's body adds it too), and the reason when it cannot be used.
+    Everything from the file is escaped; the thumbnail is a data URL the backend checked or wrote."""
     name = c["name"]
     shown = _short(name, 60)
     if c.get("thumbnail"):
-        preview = f'<img class="ls-thumb" src="{_attr(c["thumbnail"])}" alt="preview of {_attr(shown)}">'
+        preview = (f'<img class="ls-thumb" src="{_attr(c["thumbnail"])}" alt="preview of {_attr(shown)}" '
+                   f'data-source="{_attr(c.get("thumbnail_source") or "file")}">')
     else:
         preview = (f'<div class="ls-thumb ls-thumb-none" title="{_attr(c.get("thumbnail_note") or "no preview in the file")}">'
                    f'{html.escape(name[:1].upper() or "?")}</div>')
@@ -379,19 +384,27 @@ def card_html(c: dict) -> str:
     nums = " · ".join(x for x in (f"rank {c['rank']}" if c.get("rank") not in (None, "-") else "",
                                   f"alpha {c['alpha']}" if c.get("alpha") not in (None, "-") else "",
                                   str(c.get("size") or ""), str(c.get("format") or "")) if x and x != "-")
+    uses = int(c.get("uses") or 0)
     triggers = "".join(f'<button type="button" class="ls-trigger" data-trigger="{_attr(t)}" '
                        f'title="insert into the prompt">{html.escape(t)}</button>' for t in c.get("triggers") or [])
     reason = c.get("error") or ("" if c.get("fits") else c.get("fit") or "")
     if c.get("fits"):
         action = f'<button type="button" class="ls-add" data-name="{_attr(name)}">Add to stack</button>'
+        if c.get("preview_pending"):
+            action += '<span class="ls-preview-pending">making a preview…</span>'
+        elif not c.get("thumbnail"):
+            action += (f'<button type="button" class="ls-preview" data-name="{_attr(name)}" '
+                       'title="generate a 4-step preview with the loaded model">Make preview</button>')
     else:
         action = ""
     cls = "ls-lcard" + ("" if c.get("fits") else " ls-lcard-off")
     title = c.get("title") or ""
-    return (f'<div class="{cls}" data-name="{_attr(name)}">{preview}<div class="ls-lcard-body">'
+    tip = ' title="click to add to the LoRA stack"' if c.get("fits") else ""
+    return (f'<div class="{cls}" data-name="{_attr(name)}"{tip}>{preview}<div class="ls-lcard-body">'
             f'<h4 title="{_attr(name)}">{html.escape(shown)}</h4>'
             + (f'<div class="ls-lcard-title">{html.escape(title)}</div>' if title and title != name else "")
             + f'<div class="ls-family">{html.escape(made)}</div><div class="ls-nums">{html.escape(nums)}</div>'
+            + (f'<div class="ls-uses">used in {uses} job{"s" if uses != 1 else ""}</div>' if uses else "")
             + (f'<div class="ls-triggers">{triggers}</div>' if triggers else "")
             + (f'<div class="ls-reason" title="{_attr(reason)}">{html.escape(_short(reason, 160))}</div>'
                if reason else "")
