@@ -1,14 +1,19 @@
 """The LoRA browser in the Generate tab: Playwright in Chromium against one ``python app.py serve``
 for the module. Cards show what the files' headers say (trigger words from kohya's metadata and
 modelspec, an embedded thumbnail), search narrows them, a trigger word goes into the prompt, and a
-card's "Add to stack" gives a stack that generates, with the adapter named in the job's metadata.
+card's "Add to stack" gives a stack that generates, with the adapter named in the job's metadata;
+a click on a card's body adds it too, "most used" sorts by the jobs that used each adapter, and
+"Make preview" caches a generated picture that the card shows (also after a reload).
 """
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
+import re
 
+import httpx
 import pytest
 from PIL import Image
 from safetensors.numpy import load_file, save_file
@@ -124,3 +129,75 @@ def test_trigger_word_goes_into_the_prompt_and_a_card_into_the_stack(page, libra
     assert done[0]["params"]["prompt"] == "a cat on a sofa, orange cat"
     assert [a["name"] for a in done[0]["adapters"]] == ["spec-dog"]
     expect(page.locator("#result-metadata")).to_contain_text("spec-dog")
+
+
+def test_a_click_on_a_card_adds_it_to_the_stack(page, library):  # noqa: F811
+    open_browser(page)
+    card(page, "kohya-cat").locator("h4").click()
+    expect(page.locator("#stack-name-0 input, #stack-name-0 textarea").first).to_have_value("kohya-cat")
+    expect(page.locator("#gen-note")).to_contain_text("added kohya-cat to the LoRA stack")
+    # a trigger word on a card goes into the prompt only; the card's picture adds it (once: a second
+    # add would say "already in the stack")
+    dog = card(page, "spec-dog")
+    dog.locator(".ls-trigger").first.click()
+    expect(page.locator("#prompt textarea")).to_have_value(re.compile(r"dogstyle$"))
+    dog.locator("img.ls-thumb").click()
+    expect(page.locator("#stack-name-1 input, #stack-name-1 textarea").first).to_have_value("spec-dog")
+    expect(page.locator("#gen-note")).to_contain_text("added spec-dog to the LoRA stack")
+
+
+def uses_shown(page) -> list[tuple[str, int]]:  # noqa: F811
+    return page.locator("#lora-cards .ls-lcard").evaluate_all(
+        "els => els.map(e => [e.dataset.name, +((e.querySelector('.ls-uses') || {}).textContent || '0')"
+        ".replace(/[^0-9]/g, '') || 0])")
+
+
+def test_sort_by_most_used_counts_finished_jobs(page, library):  # noqa: F811
+    def used(name):
+        return sum(1 for j in all_jobs(library) if j["status"] == "succeeded"
+                   and name in {a["name"] for a in j.get("adapters") or []})
+
+    before = used("spec-dog")
+    body = {"model": "demo:qwen-image", "prompt": "count me", "n": 2, "size": "64x64", "seed": 1,
+            "num_inference_steps": 1, "lora": [{"name": "spec-dog", "scale": 1.0}]}
+    r = httpx.post(library.url + "v1/images/generations", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    assert used("spec-dog") == before + 2
+
+    open_browser(page)
+    page.locator("#lora-sort input").click()
+    page.get_by_role("option", name="most used", exact=True).click()
+    expect(page.locator("#lora-cards .ls-lcard").first).to_have_attribute("data-name", "spec-dog")
+    expect(card(page, "spec-dog").locator(".ls-uses")).to_have_text(f"used in {before + 2} jobs")
+    shown = uses_shown(page)
+    assert shown == sorted(shown, key=lambda nu: (-nu[1], nu[0].lower())), shown  # ties by name
+    assert dict(shown)["spec-dog"] > max(n for name, n in shown if name != "spec-dog")
+
+
+def test_make_preview_caches_a_generated_picture(browser, page, library):  # noqa: F811
+    open_browser(page)
+    cat = card(page, "kohya-cat")
+    assert cat.locator("img").count() == 0  # no thumbnail in its header
+    cat.locator(".ls-preview").click()
+    expect(page.locator("#gen-note")).to_contain_text("making a preview of kohya-cat")
+    expect(cat.locator("img.ls-thumb")).to_have_attribute("data-source", "generated")
+    assert cat.locator(".ls-preview").count() == 0
+
+    jobs = [j for j in all_jobs(library) if [a["name"] for a in j.get("adapters") or []] == ["kohya-cat"]
+            and j["params"].get("prompt") == "kohyacat"]  # its first trigger word
+    assert len(jobs) == 1 and jobs[0]["status"] == "succeeded", jobs
+    params = jobs[0]["params"]
+    assert (params["num_inference_steps"], params["seed"], jobs[0]["adapters"][0]["scale"]) == (4, 0, 1.0), params
+    sha = hashlib.sha256((library.data_dir / "adapters" / "kohya-cat.safetensors").read_bytes()).hexdigest()
+    png = library.data_dir / "previews" / f"{sha}.png"
+    assert png.is_file()
+    src = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    expect(cat.locator("img.ls-thumb")).to_have_attribute("src", src)
+
+    again = open_page(browser, library)  # a reload shows the cached preview
+    try:
+        open_browser(again)
+        expect(card(again, "kohya-cat").locator("img.ls-thumb")).to_have_attribute("src", src)
+        shot(again, "lora-browser-preview")
+    finally:
+        again.close()
