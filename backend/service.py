@@ -712,8 +712,8 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _preview_params(spec: dict, prompt: str) -> dict:
-    """A preview job's fields for a model spec: 4 steps, seed 0, the smallest sensible size and
-    frame count the spec allows. Refused for a model that needs an input image."""
+    """A preview job's fields for a model spec: 4 steps, seed 0, the smallest sensible size (and
+    one frame where the spec has a 4k+1 frame rule). Refused for a model that needs an input image."""
     from .families import spec_for
 
     fields, defaults = set(spec.get("fields") or ()), spec.get("defaults") or {}
@@ -730,8 +730,8 @@ def _preview_params(spec: dict, prompt: str) -> dict:
     if isinstance(h, int) and isinstance(w, int) and h > 0 and w > 0:
         k = min(1.0, PREVIEW_SIDE / min(h, w))
         params["height"], params["width"] = (max(m, int(v * k) // m * m) for v in (h, w))
-    if "num_frames" in fields:
-        params["num_frames"] = 1  # k * frame_multiple + 1 with k = 0: one frame
+    if "num_frames" in fields and shape is not None and shape.frame_multiple:
+        params["num_frames"] = 1  # k * frame_multiple + 1 with k = 0 (Wan); others keep their default
     return {k: v for k, v in params.items() if k == "prompt" or k in fields}
 
 
