@@ -53,3 +53,24 @@ def library(data_dir):
     from backend.lora import demo_adapters
 
     return demo_adapters.ensure(data_dir)
+
+
+@pytest.fixture(scope="module")
+def managers(data_dir):
+    """``get(model, dtype="float32")``: a CPU PipelineManager with the LoRA engine attached, loaded once
+    per test module (its tests write into the weights, so modules never share one). Modules that need
+    another kind (no engine, a preset restored per test) define their own ``managers``."""
+    from backend.lora import attach
+    from backend.manager import PipelineManager
+
+    cache = {}
+
+    def get(model: str, dtype: str = "float32") -> PipelineManager:
+        if (model, dtype) not in cache:
+            m = PipelineManager(device="cpu", dtype=dtype, data_dir=data_dir)
+            m.load(model)
+            attach(m)
+            cache[(model, dtype)] = m
+        return cache[(model, dtype)]
+
+    yield get

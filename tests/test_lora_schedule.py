@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from backend.errors import InvalidParameter
-from backend.lora import attach
 from backend.lora import schedule
 from backend.lora.request import LoRARequest
-from backend.manager import PipelineManager
 from backend.weights import module_checksum
 
 torch.set_num_threads(1)
@@ -80,19 +78,6 @@ def test_bad_text_forms_are_refused_by_name():
 
 
 # -- the demo pipelines --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def managers(data_dir):
-    cache = {}
-
-    def get(model: str) -> PipelineManager:
-        if model not in cache:
-            m = PipelineManager(device="cpu", dtype="float32", data_dir=data_dir)
-            m.load(model)
-            attach(m)
-            cache[model] = m
-        return cache[model]
-
-    yield get
 
 
 def req(path, i) -> LoRARequest:

@@ -8,10 +8,8 @@ import pytest
 import torch
 
 from backend.errors import AdapterError, InvalidParameter
-from backend.lora import attach
 from backend.lora.policy import PolicyInputs, check_mode, decide, merge_cost, unfused_cost
 from backend.lora.request import LoRARequest
-from backend.manager import PipelineManager
 from backend.weights import module_checksum
 
 torch.set_num_threads(1)
@@ -53,20 +51,6 @@ def test_policy_formula_on_numbers():
 
 
 # -- the unfused mode on the demo pipelines --------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def managers(data_dir):
-    cache = {}
-
-    def get(model: str, dtype: str = "float32") -> PipelineManager:
-        if (model, dtype) not in cache:
-            m = PipelineManager(device="cpu", dtype=dtype, data_dir=data_dir)
-            m.load(model)
-            attach(m)
-            cache[(model, dtype)] = m
-        return cache[(model, dtype)]
-
-    yield get
 
 
 def req(path, i) -> LoRARequest:

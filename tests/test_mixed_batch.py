@@ -17,10 +17,8 @@ import torch
 
 from backend.batch import compatible_key, generate_batch
 from backend.errors import AdapterError, InvalidParameter
-from backend.lora import attach
 from backend.lora.policy import BatchInputs, PolicyInputs, batch_costs, decide_batch
 from backend.lora.request import LoRARequest
-from backend.manager import PipelineManager
 from backend.weights import module_checksum
 from tests.ui_fixtures import app_home, served_app, wait_until
 
@@ -39,21 +37,6 @@ def adapter_files(library, model):
     files = sorted((library / sub).glob("*.safetensors"))
     assert len(files) >= 2, files
     return files[:2]
-
-
-@pytest.fixture(scope="module")
-def managers(data_dir):
-    cache = {}
-
-    def get(model: str) -> PipelineManager:
-        if model not in cache:
-            m = PipelineManager(device="cpu", dtype="float32", data_dir=data_dir)
-            m.load(model)
-            attach(m)
-            cache[model] = m
-        return cache[model]
-
-    yield get
 
 
 @pytest.mark.parametrize("model", ["demo:qwen-image", "demo:sd3.5"])

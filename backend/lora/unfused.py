@@ -187,6 +187,15 @@ class UnfusedServing:
             d._lora_studio_forwards = _ForwardCounter()  # counts denoiser forwards (2 per step with CFG)
             d.register_forward_pre_hook(d._lora_studio_forwards)
 
+    def _refuse(self, failed) -> Exception:
+        """A layer's factors were refused (not finite) before any hook went on: nothing served, the base
+        back, no active set; the engine's refusal (naming adapter and layer) to raise."""
+        engine = self.engine
+        self._remove()
+        engine.restore_base()
+        engine._active_key, engine._active_meta = (), []
+        return engine._refusal(failed)
+
     # -- the policy -----------------------------------------------------------------------------------
     def serve(self, loaded, key, meta, *, steps=None, mode=None, queued_same: int = 0) -> bool:
         """Decide this activation's mode; serve it unfused (and return True) or leave it to the merge.
@@ -227,10 +236,7 @@ class UnfusedServing:
                     comp, module, engine._contributions(plan, (comp, module), entries, factors))))
                     for comp, module in sorted(plan)], {}
         except _LayerWriteFailed as failed:
-            self._remove()
-            engine.restore_base()
-            engine._active_key, engine._active_meta = (), []
-            raise engine._refusal(failed) from None
+            raise self._refuse(failed) from None
         self._remove()
         engine.restore_base()  # layers left merged go back to pristine (no write when nothing is merged)
         self._install(hooks)
@@ -404,10 +410,7 @@ class UnfusedServing:
                                if (comp, module) in plans[key] else None for key in distinct]
                     hooks.append(((comp, module), _BatchHook(per_set, sets)))
             except _LayerWriteFailed as failed:
-                self._remove()
-                engine.restore_base()
-                engine._active_key, engine._active_meta = (), []
-                raise engine._refusal(failed) from None
+                raise self._refuse(failed) from None
             self._remove()
             engine.restore_base()
             self._install(hooks)
