@@ -134,7 +134,9 @@ def test_reload_reattaches_and_the_job_finishes(browser, page, app):  # noqa: F8
 def test_each_click_queues_a_job_and_batches_count_seeds(page, app):  # noqa: F811
     before = {j["id"] for j in all_jobs(app)}
     fill(page, "prompt", "three quick clicks")
-    fill(page, "field-num_inference_steps", 40)
+    # long enough that none of the five ends before the page is checked: a new click drops the finished
+    # jobs of earlier clicks from the list, so a short first job made "five on the page" a race
+    fill(page, "field-num_inference_steps", 1000)
     fill(page, "seed", 100)
     button = page.locator("#generate-btn")
     for _ in range(3):
