@@ -38,10 +38,13 @@ def compatible_key(model: str | None, preset: str | None, params: dict) -> str |
         return None
 
 
-def generate_batch(manager, requests: list[dict], adapter_sets: list, *, on_step=None, cancel=None) -> list:
+def generate_batch(manager, requests: list[dict], adapter_sets: list, *, on_step=None, cancel=None,
+                   on_preview=None) -> list:
     """Run ``requests`` (request dicts) with ``adapter_sets[i]`` (list of (LoRARequest, scale)) as one call.
 
-    ``on_step(step, total)`` after every denoising step; ``cancel()`` -> True stops the call (Cancelled).
+    ``on_step(step, total)`` after every denoising step; ``on_preview(step, total, render)`` too, where
+    ``render(i)`` previews request ``i`` (manager.PreviewCallback); ``cancel()`` -> True stops the call
+    (Cancelled).
     Raises InvalidParameter when the requests differ in anything but prompt and seed."""
     import torch
 
@@ -76,6 +79,8 @@ def generate_batch(manager, requests: list[dict], adapter_sets: list, *, on_step
                 raise Cancelled("generation cancelled")
             if on_step is not None:
                 on_step(i + 1, total)
+            if on_preview is not None:
+                on_preview(i + 1, total, manager.preview_renderer(tensors, params[0]))
             return tensors
 
         hooks = engine.unfused.batch(adapter_sets) if engine is not None else _no_adapters(n)

@@ -27,6 +27,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 StepCallback = Callable[[int, int], None]
+# on_preview(step, total, render): ``render(index=0)`` -> that sample's latents now as a small PIL image
+# (backend/preview.py) or None; called after every step, the caller decides when a preview is worth making
+PreviewCallback = Callable[[int, int, Callable[..., object]], None]
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -74,6 +77,7 @@ class PipelineManager:
         # MiniMax-H3 (modular pipeline): contracts, partitions and adapters (backend/minimax/runtime.py)
         self.minimax = None
         self.quantized: str | None = None  # how the loaded denoisers are stored ("fp8 (...)", "gguf (Q8_0)")
+        self._preview = None  # backend/preview.py: the loaded pipeline's latent -> RGB map (live previews)
         self._lock = threading.RLock()
 
     @classmethod
@@ -174,7 +178,7 @@ class PipelineManager:
         with self._lock:
             if self.pipeline is None:
                 return
-            self.pipeline = None
+            self.pipeline = self._preview = None  # the previewer holds the pipeline too: both go
             self.lora_engine = self.fused_base = self.minimax = None
             self.model_id = self.model_path = self.spec = self.family = self.quantized = None
             gc.collect()
@@ -207,7 +211,8 @@ class PipelineManager:
 
     def generate(self, request: dict, *, adapters=None, defaults: dict | None = None,
                  on_step: StepCallback | None = None, cancel: threading.Event | None = None,
-                 lora_mode: str | None = None, queued_same: int = 0) -> GenerationResult:
+                 lora_mode: str | None = None, queued_same: int = 0,
+                 on_preview: PreviewCallback | None = None) -> GenerationResult:
         with self._lock:
             if self.minimax is not None:
                 from .minimax.runtime import generate_for_manager
@@ -231,7 +236,7 @@ class PipelineManager:
             if engine is not None:  # a step schedule: each step's scales set from the step callback
                 on_step = engine.unfused.stepper(steps, on_step)
             with self.scheduler_for(params), self.boundary_for(params):
-                output = self._run(params, on_step, cancel)
+                output = self._run(params, on_step, cancel, on_preview)
             result = self._collect(output, params)
             if engine is not None:  # the policy's measured step time (and forwards per step)
                 engine.unfused.observe_run(time.perf_counter() - run_started, steps,
@@ -243,7 +248,23 @@ class PipelineManager:
                 result.metadata["lora_mode"] = decision.as_dict() if decision is not None else {"mode": mode}
             return result
 
-    def _run(self, params: dict, on_step, cancel):
+    def live_preview(self):
+        """The latent -> RGB previewer of the loaded pipeline (backend/preview.py), made on first use."""
+        from .preview import LatentPreview
+
+        if self._preview is None or self._preview.pipeline is not self.pipeline:
+            self._preview = LatentPreview(self.pipeline)
+        return self._preview
+
+    def preview_renderer(self, tensors: dict, params: dict):
+        """``render(index=0)`` for the step callback's tensors (None when no latents are among them)."""
+        latents = tensors.get("latents")
+        if latents is None:
+            return lambda index=0: None
+        preview = self.live_preview()
+        return lambda index=0: preview.image(latents, params.get("height"), params.get("width"), index)
+
+    def _run(self, params: dict, on_step, cancel, on_preview=None):
         pipe = self.pipeline
         kwargs = {k: v for k, v in params.items()
                   if k not in ("seed", "fps", "flow_shift", "sample_solver", "boundary_ratio")}
@@ -254,6 +275,8 @@ class PipelineManager:
                 raise Cancelled("generation cancelled")
             if on_step is not None:
                 on_step(i + 1, total)
+            if on_preview is not None:
+                on_preview(i + 1, total, self.preview_renderer(tensors, params))
             return tensors
 
         generator = torch.Generator(device="cpu").manual_seed(params["seed"])

@@ -6,6 +6,8 @@ process is where the pipeline lives). Every method returns plain JSON-able dicts
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import platform
 import re
@@ -27,6 +29,8 @@ from .lora.schedule import parse_text as parse_scale_text  # noqa: F401 - the UI
 from .families import DEFAULT_MODEL
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
+
+log = logging.getLogger("lora_studio.service")
 
 class Studio:
     def __init__(self, model: str = DEFAULT_MODEL, *, data_dir=None, adapter_dirs=(), lora_backend: str = "peft",
@@ -69,7 +73,7 @@ class Studio:
             ray_cfg = RayEngineConfig(address=ray_address, replicas=replicas, gpus_per_replica=gpus_per_replica,
                                       device=device, dtype=dtype, data_dir=str(self.data_dir), max_loras=max_loras,
                                       max_cpu_loras=max_cpu_loras, runtime=self.config)
-            self.supervisor = RayDispatcher(self.queue, self.config, ray_cfg)
+            self.supervisor = RayDispatcher(self.queue, self.config, ray_cfg, job_timeout=self.limits.job_timeout)
         else:
             self.supervisor = Supervisor(self.queue, self.config, job_timeout=self.limits.job_timeout)
         self.started_at = time.time()
@@ -80,6 +84,7 @@ class Studio:
         self._preview_jobs: set[str] = set()
         self._preview_urls: dict[str, tuple] = {}
         self._preview_lock = threading.Lock()
+        self._load_preview_jobs()  # a restart keeps both: a queued preview job is recovered with the queue
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, *, timeout: float = 600.0) -> "Studio":
@@ -172,6 +177,12 @@ class Studio:
 
     def job(self, job_id: str) -> dict:
         return self.queue.get(job_id)
+
+    def job_preview(self, job_id: str) -> dict | None:
+        """The latest live preview of a running job: {"step", "png"} (PNG bytes, at most 128 px a side),
+        or None (not running, not yet a second into its run, or a model without previews)."""
+        self.queue.get(job_id)  # an unknown id is refused (404) like every other job route
+        return self.supervisor.preview(job_id)
 
     def jobs(self, limit: int = 100, status: str | None = None) -> list[dict]:
         return self.queue.list(limit=limit, status=status)
@@ -379,7 +390,31 @@ class Studio:
         with self._preview_lock:
             self._previews[job["id"]] = sha
             self._preview_jobs.add(job["id"])
+            self._save_preview_jobs()
         return job
+
+    def _preview_jobs_file(self) -> Path:
+        return settings.previews_dir(self.data_dir) / "jobs.json"
+
+    def _load_preview_jobs(self) -> None:
+        """The preview jobs an earlier run of this server made (``<data-dir>/previews/jobs.json``)."""
+        try:
+            saved = json.loads(self._preview_jobs_file().read_text())
+            pending, made = dict(saved.get("pending") or {}), list(saved.get("made") or [])
+        except (OSError, ValueError, TypeError, AttributeError):
+            return  # none yet, or unreadable: previews are a convenience, the server starts anyway
+        self._previews = {str(k): str(v) for k, v in pending.items() if _SHA256.fullmatch(str(v))}
+        self._preview_jobs = {str(j) for j in made}
+
+    def _save_preview_jobs(self) -> None:
+        """Written under ``_preview_lock`` whenever the pending set changes (atomic)."""
+        from .outputs import _atomic_write
+
+        data = json.dumps({"pending": self._previews, "made": sorted(self._preview_jobs)})
+        try:
+            _atomic_write(self._preview_jobs_file(), lambda tmp: Path(tmp).write_text(data))
+        except OSError as exc:  # a full disk: the preview is still made while this server runs
+            log.warning("could not record preview jobs in %s: %s", self._preview_jobs_file(), exc)
 
     def _collect_previews(self) -> None:
         """Write the thumbnails of preview jobs that have succeeded; forget those that ended otherwise."""
@@ -399,6 +434,7 @@ class Studio:
                     pass
             with self._preview_lock:
                 self._previews.pop(job_id, None)
+                self._save_preview_jobs()
 
     def _write_preview(self, job_id: str, sha: str) -> None:
         from PIL import Image

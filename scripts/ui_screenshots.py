@@ -7,7 +7,8 @@ in its library, then::
     python scripts/ui_screenshots.py http://127.0.0.1:7861/ [docs/img]
 
 It stacks the first two adapters that fit, queues a batch of three jobs and shoots the
-Generate tab while the first result is shown and the others run or wait (docs/img/generate.png),
+Generate tab while the first result is shown and the others run (with its live preview) or wait
+(docs/img/generate.png),
 then opens the LoRA browser and shoots its cards (docs/img/lora-browser.png; adapters with
 ``modelspec.thumbnail`` / ``modelspec.trigger_phrase`` / kohya ``ss_tag_frequency`` metadata make
 the cards worth looking at).
@@ -52,7 +53,8 @@ def main(url: str, out_dir: Path) -> int:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # the first result shown while the next one runs
             states = page.locator("#gen-status .ls-job").evaluate_all("els => els.map(e => e.dataset.status)")
-            if "succeeded" in states and "running" in states and page.locator("#result-image img").count():
+            if "succeeded" in states and "running" in states and page.locator("#result-image img").count() \
+                    and page.locator("#gen-status img.ls-live").count():  # the running one's live preview
                 break
             time.sleep(0.2)
         time.sleep(1.0)

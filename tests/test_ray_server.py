@@ -16,7 +16,7 @@ pytest.importorskip("ray")
 from PIL import Image  # noqa: E402
 
 from backend.errors import InvalidParameter  # noqa: E402
-from backend.service import Studio  # noqa: E402
+from backend.service import Studio, job_error  # noqa: E402
 
 MODEL = "demo:sd3.5"
 
@@ -63,6 +63,27 @@ def test_jobs_through_the_queue_run_on_a_replica_and_equal_the_local_engine(stud
         replicas.add(meta["engine"]["replica"])
         assert np.array_equal(np.asarray(Image.open(path).convert("RGB")), pixels)
     assert len(replicas) == 1 and None not in replicas  # one replica in the pool ran both
+
+
+def test_job_timeout_stops_a_long_job_on_its_replica_and_the_next_one_runs(studio):
+    """--job-timeout holds on --engine ray as on the local worker: the job is cancelled on its replica
+    and failed with 504 naming the flag; the replica takes the next job."""
+    assert studio.supervisor.job_timeout == studio.limits.job_timeout  # the server's limit reaches the dispatcher
+    studio.supervisor.job_timeout = 3.0  # this module's one server: a short limit for this test only
+    try:
+        started = time.monotonic()
+        job = studio.wait(studio.submit("generate", {"prompt": "x", "seed": 1, "num_inference_steps": 1000})["id"],
+                          timeout=120)
+        took = time.monotonic() - started
+    finally:
+        studio.supervisor.job_timeout = studio.limits.job_timeout
+    assert job["status"] == "failed", job
+    err = job_error(job)
+    assert err.param == "job_timeout" and err.http_status == 504 and "--job-timeout of 3 s" in err.message, err
+    assert took < 60, f"the job ran {took:.0f} s past a 3 s limit"
+    ok = studio.wait(studio.submit("generate", {"prompt": "x", "seed": 2, "num_inference_steps": 1})["id"],
+                     timeout=120)
+    assert ok["status"] == "succeeded", ok.get("error")
 
 
 def test_cancel_stops_a_running_job_and_a_bad_field_is_refused_with_its_name(studio):

@@ -7,12 +7,14 @@ follows the library, pins show at once, typed weights and seed -1 are honoured.
 """
 from __future__ import annotations
 
+import io
 import os
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
 from ui_fixtures import ARTIFACTS, MODEL, app, lora_files, wait_until  # noqa: F401  (fixtures)
 
@@ -110,6 +112,22 @@ def test_reload_reattaches_and_the_job_finishes(browser, page, app):  # noqa: F8
     expect(page.locator("#gen-status")).to_contain_text("elapsed")
     expect(page.locator("#gen-status")).to_contain_text("position 1 in the queue")
     wait_for("the title to show progress", lambda: page.title().startswith("["))
+    # a live preview of the running job's latents, refreshed as it goes (about once a second)
+    live = page.locator(f'#gen-status .ls-job[data-job="{long["id"]}"] img.ls-live')
+    expect(live).to_be_visible()
+    first_step = int(live.get_attribute("data-step"))
+    assert live.get_attribute("src").startswith("data:image/png;base64,")
+    wait_for("a later preview", lambda: int(live.get_attribute("data-step") or 0) > first_step)
+    assert page.locator(f'#gen-status .ls-job[data-job="{short["id"]}"] img.ls-live').count() == 0  # queued
+    # the same over HTTP: a small PNG and its step; 204 for the queued job, 404 for no job
+    resp = httpx.get(app.url + f"v1/jobs/{long['id']}/preview", timeout=30)
+    assert resp.status_code == 200 and resp.headers["content-type"] == "image/png", resp.text[:200]
+    assert int(resp.headers["x-preview-step"]) >= 1
+    with Image.open(io.BytesIO(resp.content)) as img:
+        assert max(img.size) == 128 and img.mode == "RGB"
+    assert httpx.get(app.url + f"v1/jobs/{short['id']}/preview", timeout=30).status_code == 204
+    missing = httpx.get(app.url + "v1/jobs/no-such-job/preview", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "job_id", missing.text
     other = open_page(browser, app)  # a second tab sees the same jobs, with their progress
     expect(other.locator(f'#gen-status .ls-job[data-job="{long["id"]}"]')).to_have_attribute("data-status",
                                                                                            "running")

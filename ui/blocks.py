@@ -13,6 +13,7 @@ CSS = """
 .ls-bar { height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; margin-top: 4px; }
 .ls-bar-fill { height: 100%; background: var(--color-accent); transition: width .15s linear; }
 .ls-job { padding: 6px 0; }
+.ls-live { display: block; max-width: 128px; max-height: 128px; margin-top: 6px; border-radius: 4px; }
 .ls-error { color: var(--error-text-color, #b91c1c); background: var(--error-background-fill, #fef2f2);
             border: 1px solid var(--error-border-color, #fca5a5); border-radius: 6px; padding: 6px 10px; }
 .ls-ok { color: var(--body-text-color); padding: 6px 0; }

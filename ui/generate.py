@@ -33,6 +33,40 @@ WEIGHT_RANGE = (-4.0, 4.0)  # the sliders' range; a typed weight beyond it is st
 MAX_WATCH = 32  # finished jobs a page keeps listing (the newest)
 
 
+class Followed:
+    """The job ids each page (Gradio session) asked to follow, beside its ``watch`` state.
+
+    A click and the timer's poll are separate events that may run at the same time: a poll that read
+    ``watch`` before the click wrote it writes the old list back, and the click's jobs would be followed
+    only while the server lists them as active (a job that ended in between would never show its result).
+    The poll merges this table in, so no interleaving loses a click. Bounded: the newest sessions only."""
+
+    def __init__(self, limit: int = 1024):
+        import collections
+        import threading
+
+        self._ids: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.limit = limit
+
+    def set(self, session: str | None, ids: list[str]) -> None:
+        if not session:
+            return
+        with self._lock:
+            self._ids[session] = list(ids)
+            self._ids.move_to_end(session)
+            while len(self._ids) > self.limit:
+                self._ids.popitem(last=False)
+
+    def get(self, session: str | None) -> list[str]:
+        with self._lock:
+            return list(self._ids.get(session or "", ()))
+
+
+def _session(request) -> str | None:
+    return getattr(request, "session_hash", None) if request is not None else None
+
+
 def models_by_id(studio) -> dict[str, ModelInfo]:
     return {m["id"]: ModelInfo.from_dict(m) for m in studio.models()}
 
@@ -510,7 +544,9 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                     api_visibility="private")
 
     # -- generate: queue jobs, then the page's poll follows them ---------------------------------
-    def submit(model_id, prompt, seed, batch, stack, watch, *values):
+    followed = Followed()
+
+    def submit(request: gr.Request, model_id, prompt, seed, batch, stack, watch, *values):
         values, weights = values[:len(WIDGETS)], values[len(WIDGETS):]
         texts = weights[3 * MAX_LORAS:]  # the rows' "weight over steps" fields
         # the weights as the sliders show them now (the browser clamps a typed 5 to the slider's 4)
@@ -555,8 +591,10 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
             note = ok_html(f"queued job{'s' if n > 1 else ''} {ids} (seed {base_seed}"
                            f"{f'…{base_seed + n - 1}' if n > 1 else ''}) · {where}")
         # a new click starts a new list: the finished jobs of earlier clicks leave it
-        keep = [j for j in (watch or {}).get("ids") or [] if _active(studio, j)]
+        known = list(dict.fromkeys([*((watch or {}).get("ids") or []), *followed.get(_session(request))]))
+        keep = [j for j in known if _active(studio, j)]
         watch = {**(watch or {}), "ids": keep + [str(j["id"]) for j in queued]}
+        followed.set(_session(request), watch["ids"])
         return [note, watch, str(queued[-1]["id"])]
 
     sliders = [c for r in t.rows for c in (r.scale, r.high, r.low)] + [r.schedule for r in t.rows]
@@ -564,10 +602,10 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
              [t.status, t.watch, t.job_id], api_visibility="private", queue=False, trigger_mode="multiple",
              show_progress="hidden")
 
-    def cancel_jobs(watch):
+    def cancel_jobs(request: gr.Request, watch):
         """Cancel every queued or running job this page follows."""
         cancelled, errors = [], []
-        for job_id in (watch or {}).get("ids") or []:
+        for job_id in dict.fromkeys([*((watch or {}).get("ids") or []), *followed.get(_session(request))]):
             if not _active(studio, job_id):
                 continue
             try:
@@ -582,14 +620,15 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
 
     stop.click(cancel_jobs, t.watch, t.status, api_visibility="private", queue=False)
 
-    def poll(watch, seen, model_id, stack):
+    def poll(request: gr.Request, watch, seen, model_id, stack):
         """The page's view of the server: its jobs, fused preset, loaded model and adapter library.
         Each part is sent only when it changed (gr.update() otherwise)."""
         watch, seen = dict(watch or {}), dict(seen or {})
         out = {}
-        # jobs: the server's active ones (a reload, another tab) plus the ones this page queued
+        # jobs: the server's active ones (a reload, another tab) plus the ones this page queued (its state,
+        # and the table a click that ran beside this poll wrote to)
         try:
-            ids = list(watch.get("ids") or [])
+            ids = list(dict.fromkeys([*(watch.get("ids") or []), *followed.get(_session(request))]))
             for j in studio.active_jobs():
                 if str(j["id"]) not in ids:
                     ids.append(str(j["id"]))
@@ -604,7 +643,14 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                 jobs.remove(finished.pop(0))
             watch["ids"] = [str(j["id"]) for j in jobs]
             spp = studio.seconds_per_step() if any(j.get("status") == "running" for j in jobs) else None
-            html = views.jobs_html(jobs, seconds_per_step=spp)
+            previews = {}
+            for j in jobs:  # the running job's latents as a small image, about once a second
+                if j.get("status") == "running":
+                    try:
+                        previews[str(j["id"])] = studio.job_preview(j["id"])
+                    except Exception:  # it ended meanwhile
+                        pass
+            html = views.jobs_html(jobs, seconds_per_step=spp, previews=previews)
             if html != watch.get("html"):
                 watch["html"] = out["jobs"] = html
             done = [j for j in jobs if j.get("status") == "succeeded"]

@@ -5,6 +5,7 @@ the system is shown lives in this one module, so the tabs stay wiring only.
 """
 from __future__ import annotations
 
+import base64
 import html
 import json
 import logging
@@ -119,8 +120,20 @@ def timing(job: dict, now: float | None = None, seconds_per_step: float | None =
     return text
 
 
-def progress_html(job: dict, now: float | None = None, seconds_per_step: float | None = None) -> str:
-    """The per-step progress bar; data-* attributes let the browser tests read it."""
+def preview_img(preview: dict | None) -> str:
+    """A running job's live preview ({"step", "png"}: Studio.job_preview) as an inline image."""
+    if not preview or not preview.get("png"):
+        return ""
+    src = "data:image/png;base64," + base64.b64encode(preview["png"]).decode("ascii")
+    step = int(preview.get("step") or 0)
+    return (f'<img class="ls-live" data-step="{step}" src="{src}" '
+            f'alt="live preview at step {step}" title="live preview at step {step} (an approximation)">')
+
+
+def progress_html(job: dict, now: float | None = None, seconds_per_step: float | None = None,
+                  preview: dict | None = None) -> str:
+    """The per-step progress bar (and the live preview of a running job); data-* attributes let the
+    browser tests read it."""
     prog = job.get("progress") or {}
     pct = round(100 * job_fraction(job))
     status = html.escape(str(job.get("status", "")))
@@ -137,10 +150,12 @@ def progress_html(job: dict, now: float | None = None, seconds_per_step: float |
             f'data-position="{job.get("queue_position") or ""}">'
             f'<div class="ls-job-line">Job {html.escape(str(job.get("id", "")))}{html.escape(seed_text)} · '
             f'{html.escape(line)}</div>'
-            f'<div class="ls-bar"><div class="ls-bar-fill" style="width:{pct}%"></div></div></div>')
+            f'<div class="ls-bar"><div class="ls-bar-fill" style="width:{pct}%"></div></div>'
+            f'{preview_img(preview) if status == "running" else ""}</div>')
 
 
-def jobs_html(jobs: list[dict], now: float | None = None, seconds_per_step: float | None = None) -> str:
+def jobs_html(jobs: list[dict], now: float | None = None, seconds_per_step: float | None = None,
+              previews: dict | None = None) -> str:
     """The jobs a page follows, each with its bar; the container's data-* attributes give the page
     title its progress ("[3/20] LoRA Studio") and let the browser tests count jobs."""
     if not jobs:
@@ -156,7 +171,8 @@ def jobs_html(jobs: list[dict], now: float | None = None, seconds_per_step: floa
     elif queued:
         title = f"[queued {len(queued)}]"
     return (f'<div class="ls-jobs" data-count="{len(jobs)}" data-title="{html.escape(title)}">'
-            + "".join(progress_html(j, now, seconds_per_step) for j in jobs) + "</div>")
+            + "".join(progress_html(j, now, seconds_per_step, (previews or {}).get(str(j.get("id"))))
+                      for j in jobs) + "</div>")
 
 
 JOB_COLUMNS = ["id", "kind", "status", "progress", "queue", "prompt", "model", "adapters", "preset", "created",

@@ -2,7 +2,7 @@
 
 Routes (the contract's): /health, /metrics, /v1/models, /v1/chat/completions,
 /v1/images/generations, /v1/videos/generations, /v1/loras, /v1/load_lora_adapter,
-/v1/unload_lora_adapter, /v1/jobs[/{id}]. Every error is OpenAI's
+/v1/unload_lora_adapter, /v1/jobs[/{id}[/preview]]. Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` with the StudioError's status.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -259,6 +259,16 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
     @v1.get("/jobs/{job_id}")
     def job(job_id: str):
         return studio.job(job_id)
+
+    @v1.get("/jobs/{job_id}/preview")
+    def job_preview(job_id: str):
+        """The running job's latest live preview (PNG, at most 128 px a side; X-Preview-Step says which
+        step); 204 while there is none (queued, finished, its first second, or a model without previews)."""
+        preview = studio.job_preview(job_id)
+        if preview is None:
+            return Response(status_code=204, headers={"Cache-Control": "no-store"})
+        return Response(preview["png"], media_type="image/png",
+                        headers={"X-Preview-Step": str(preview["step"]), "Cache-Control": "no-store"})
 
     @v1.delete("/jobs/{job_id}")
     def cancel(job_id: str):

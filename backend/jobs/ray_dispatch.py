@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 
-from ..errors import InvalidParameter, ServerError, StudioError, WorkerStartError
+from ..errors import InvalidParameter, ServerError, StudioError, Timeout, WorkerStartError
 from .queue import BARRIER_KINDS, JobQueue, group_key
 from .worker import WorkerConfig
 
@@ -33,8 +33,11 @@ log = logging.getLogger("lora_studio.jobs")
 class RayDispatcher:
     """Same surface as Supervisor (what backend.service.Studio uses)."""
 
-    def __init__(self, queue: JobQueue, config: WorkerConfig, engine_config):
+    def __init__(self, queue: JobQueue, config: WorkerConfig, engine_config, *, job_timeout: float = 0.0):
         self.queue, self.config, self.engine_config = queue, config, engine_config
+        self.job_timeout = job_timeout  # --job-timeout: a job running longer is cancelled on its replica, failed
+        self._started: dict[str, float] = {}  # job id -> when it was handed to a replica (monotonic)
+        self._timed_out: set[str] = set()
         self.engine = None
         self.plan = None  # the deployment's DistillPlan (None: replicas serve the plain base)
         self.preload = None  # the deployment's PreloadPlan: --lora-path adapters every replica pins
@@ -110,6 +113,10 @@ class RayDispatcher:
     def wake(self) -> None:
         self._wake.set()
 
+    def preview(self, job_id: str) -> None:
+        """Live previews are not sent back by replicas (the local worker's only; docs/api.md)."""
+        return None
+
     def cancel_running(self, job_id: str) -> None:
         with self._lock:
             run = self._runs.get(job_id)
@@ -127,11 +134,30 @@ class RayDispatcher:
         while not self._stop.is_set():
             try:
                 self._dispatch()
+                self._enforce_timeout()
             except Exception:  # never let the dispatcher die: log and go on
                 log.exception("ray dispatcher error")
                 time.sleep(0.5)
             self._wake.wait(1.0)
             self._wake.clear()
+
+    def _enforce_timeout(self) -> None:
+        """--job-timeout, as the local supervisor enforces it: a job that has run longer is cancelled on
+        its replica (Serve cancels the request; the replica stops at its next step) and failed (504)."""
+        if not self.job_timeout:
+            return
+        now = time.monotonic()
+        with self._lock:
+            over = [(job_id, run) for job_id, run in self._runs.items()
+                    if job_id not in self._timed_out and now - self._started.get(job_id, now) > self.job_timeout]
+            self._timed_out.update(job_id for job_id, _ in over)
+        for job_id, run in over:
+            log.warning("job %s ran over --job-timeout %g s on a replica: stopping it", job_id, self.job_timeout)
+            run.cancel()
+
+    def _timeout_reason(self, job_id: str) -> str:
+        ran = time.monotonic() - self._started.get(job_id, time.monotonic())
+        return f"stopped after running {ran:.0f} s, over this server's --job-timeout of {self.job_timeout:g} s"
 
     def _dispatch(self) -> None:
         while not self._stop.is_set():
@@ -157,6 +183,7 @@ class RayDispatcher:
             return
         with self._lock:
             self._runs[job["id"]], self._jobs[job["id"]] = run, job
+            self._started[job["id"]] = time.monotonic()
         if self.queue.cancel_requested(job["id"]):  # cancelled between claim and submit
             run.cancel()
         threading.Thread(target=self._follow, args=(job, run), name=f"ray-job-{job['id']}", daemon=True).start()
@@ -175,6 +202,9 @@ class RayDispatcher:
                     self.queue.progress(job_id, event.step, event.total)
                 elif event.status == "succeeded":
                     self._succeed(job_id, event.result)
+                elif event.status == "cancelled" and job_id in self._timed_out \
+                        and not self.queue.cancel_requested(job_id):
+                    self.queue.fail(job_id, Timeout(self._timeout_reason(job_id), param="job_timeout"))
                 elif event.status == "cancelled" and self._stop.is_set() and not self.queue.cancel_requested(job_id):
                     pass  # stopped by the shutdown, not a user: the row stays 'running', re-queued at the next start
                 elif event.status == "cancelled":
@@ -188,6 +218,8 @@ class RayDispatcher:
             with self._lock:
                 self._runs.pop(job_id, None)
                 self._jobs.pop(job_id, None)
+                self._started.pop(job_id, None)
+                self._timed_out.discard(job_id)
             if self._step_times:
                 self.info["seconds_per_step"] = sum(self._step_times) / len(self._step_times)
             self.wake()

@@ -50,6 +50,9 @@ class Supervisor:
         self.current: dict | None = None  # the job the worker is running (the first of a batch)
         self.running: dict[str, dict] = {}  # every job of the current dispatch (several: a mixed-adapter batch)
         self._batched = False  # the current dispatch is a batch ({"op": "batch"})
+        # the latest live preview of each running job: {"step", "png"} (backend/preview.py), in memory only:
+        # it is gone when the job ends (the result replaces it)
+        self.previews: dict[str, dict] = {}
         self._member_cancels: list[str] = []  # jobs of the running batch to cancel one by one
         self.group: str | None = None  # what the worker has set up (queue.group_key)
         self.info: dict = {}  # the worker's last report (model, spec, cache, memory)
@@ -106,6 +109,10 @@ class Supervisor:
             self._wake_w.send_bytes(b"!")
         except (OSError, ValueError):
             pass
+
+    def preview(self, job_id: str) -> dict | None:
+        """The latest live preview of a running job ({"step", "png"}), or None."""
+        return self.previews.get(str(job_id))
 
     def cancel_running(self, job_id: str) -> None:
         if self._batched:  # one job of a batch: the others go on (one already finished: nothing to stop)
@@ -261,8 +268,12 @@ class Supervisor:
             self.fatal = msg[1]
         elif kind == "progress":
             self.queue.progress(msg[1], msg[2], msg[3])
+        elif kind == "preview":
+            if msg[1] in self.running:
+                self.previews[msg[1]] = {"step": msg[2], "png": msg[3]}
         elif kind in ("done", "failed", "cancelled"):
             job_id, info = msg[1], msg[-1]
+            self.previews.pop(job_id, None)
             self.info = info
             if kind == "done":
                 self.queue.finish(job_id, "succeeded", result=msg[2])
@@ -308,6 +319,7 @@ class Supervisor:
                 self.queue.fail(job_id, ServerError(f"the worker process died ({reason}) while running "
                                                     "this job; it was restarted"))
         self.current, self.running, self._batched = None, {}, False
+        self.previews.clear()
         self.group = None
         self.conn.close()
         if self._stop.is_set():
