@@ -43,9 +43,11 @@ def main(url: str, out_dir: Path) -> int:
                 break
             options.nth(i).click()
             page.locator("#adapter-add").click()
-        steps = page.locator("#field-num_inference_steps input")
-        steps.fill("40")
-        steps.press("Tab")
+        # jobs of a few seconds each on CPU, so the running one has a live preview to show
+        for field, value in (("num_inference_steps", "40"), ("height", "256"), ("width", "256")):
+            box = page.locator(f"#field-{field} input")
+            box.fill(value)
+            box.press("Tab")
         batch = page.locator("#batch-count input")
         batch.fill("3")
         batch.press("Tab")
