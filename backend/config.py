@@ -194,9 +194,9 @@ class RuntimeConfig(BaseModel):
             from . import quant  # imports torch: only when asked for
 
             qplan = quant.check(self.quantize, self.gguf)  # the files exist and are GGUF; not both
-            if self.engine != "local":
-                raise InvalidParameter("--quantize/--gguf: --engine local only",
-                                       param="gguf" if qplan.gguf else "quantize")
+            if self.engine != "local" and qplan.gguf:  # a file every node would need: not verified per node
+                raise InvalidParameter("--gguf: --engine local only (a Ray replica on another node has no "
+                                       "checked copy of the GGUF file; --quantize fp8 runs on Ray)", param="gguf")
             if self.lora_mode == "merge" or self.lora_backend == "distill" or self.preset:
                 what = "--lora-mode merge" if self.lora_mode == "merge" else "--preset" if self.preset \
                     else "--lora-backend distill"

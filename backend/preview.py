@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import time
 
 import torch
 
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 
 #: The longest side of a preview image (pixels); latents smaller than this are scaled up.
 SIZE = 128
+#: A running job sends a preview at most this often (seconds); a job shorter than this sends none (and a
+#: model never asked for one never fits its map).
+EVERY_S = 1.0
 #: The colour chart the fit encodes (pixels per side).
 CHART = 128
 #: The grid of standard-normal latents the fit decodes too (latent pixels per side).
@@ -186,3 +190,27 @@ def png(img) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG", optimize=False)
     return buf.getvalue()
+
+
+def sender(send, job_ids: list[str], skip=lambda job_id: False, every_s: float | None = None):
+    """``on_preview`` for ``PipelineManager.generate`` / ``backend.batch.generate_batch``: every
+    ``EVERY_S`` seconds a PNG of each job's sample (``job_ids[i]`` is sample ``i``) handed to
+    ``send(job_id, step, png_bytes)``; never at the last step (the result follows it). The local
+    worker sends it over its pipe, a Ray replica as an event of the job's stream."""
+    every = EVERY_S if every_s is None else every_s
+    last = [time.perf_counter()]
+
+    def on_preview(step: int, total, render) -> None:
+        now = time.perf_counter()
+        if now - last[0] < every or (total and step >= total):
+            return
+        last[0] = now
+        for i, job_id in enumerate(job_ids):
+            if skip(job_id):
+                continue
+            img = render(i)
+            if img is None:  # no preview for this model (logged once, by LatentPreview.fit)
+                return
+            send(job_id, step, png(img))
+
+    return on_preview

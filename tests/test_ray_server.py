@@ -5,6 +5,7 @@ Run on its own:  pytest tests/test_ray_server.py -x -q
 """
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 
@@ -92,8 +93,16 @@ def test_cancel_stops_a_running_job_and_a_bad_field_is_refused_with_its_name(stu
     while studio.job(job["id"])["progress"]["step"] < 1:
         assert time.monotonic() < deadline, "the long job never reported a step"
         time.sleep(0.2)
+    # the replica streams live previews of the running job as the local worker sends them
+    while (preview := studio.job_preview(job["id"])) is None:
+        assert time.monotonic() < deadline, "no live preview came from the replica"
+        time.sleep(0.2)
+    assert preview["step"] >= 1 and preview["png"].startswith(b"\x89PNG")
+    with Image.open(io.BytesIO(preview["png"])) as img:
+        assert max(img.size) == 128
     studio.cancel(job["id"])
     assert studio.wait(job["id"], timeout=60)["status"] == "cancelled"
+    assert studio.job_preview(job["id"]) is None  # gone with the run
 
     # a bad field is refused at submission, naming it, before a job row exists (docs/security.md)
     before = len(studio.jobs(limit=1000))

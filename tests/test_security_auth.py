@@ -332,3 +332,36 @@ def test_the_backoff_table_is_bounded_and_forgets():
     assert t.retry_after("a") == 8
     now[0] += 61  # forgotten a while after the last failure
     assert t.retry_after("a") == 0
+
+
+def test_the_login_page_shows_no_api_description_and_logs_in_in_a_browser(login_srv):
+    """Gradio embeds the app's API description (named endpoints, their parameters) in every page it serves,
+    the login page too, while /gradio_api/info needs a credential: an anonymous visitor gets the login page
+    without it, a logged-in one gets it (the UI's "Use via API" reads it), and the login works in Chromium."""
+    from ui_browser import ARGS, CHROMIUM, TIMEOUT_MS
+
+    with login_srv.client("127.0.0.13") as c:
+        page = c.get("/", headers={"Accept-Encoding": "gzip, br"})  # as a browser asks for it
+        assert page.status_code == 200 and '"auth_required":true' in page.text, page.text[:300]
+        for word in ("/generate", "/list_adapters", "/apply_preset", "parameter_name", "num_inference_steps"):
+            assert word not in page.text, word
+        _error(c.get("/gradio_api/info"), 401)
+    with login_srv.client("127.0.0.13", headers=_basic(USER, PASSWORD)) as c:
+        assert '"/generate"' in c.get("/").text
+    if not CHROMIUM.exists():
+        pytest.skip("needs Debian's chromium for the browser half")
+    import playwright.sync_api as playwright
+
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            page.goto(login_srv.url + "/")
+            page.get_by_label("username").fill(USER)
+            page.get_by_label("password").fill(PASSWORD)
+            page.get_by_role("button", name="Login").click()
+            page.wait_for_selector("#prompt textarea")
+            assert page.title() == "LoRA Studio"
+        finally:
+            browser.close()

@@ -287,6 +287,44 @@ def test_lora_mode_and_pristine_reach_the_ray_replicas(ray_studio, data_dir):
     assert meta["engine"]["pristine"]["mode"] == "host", meta["engine"]
 
 
+def test_an_fp8_base_through_the_ray_engine_equals_the_local_one(ray_studio, data_dir, tmp_path):
+    """`--engine ray --quantize fp8`: a replica loads the fp8 base through the one start sequence and runs an
+    adapter unfused on it; pixels equal to Omni on the same config, and the metadata says fp8 and unfused."""
+    import dataclasses
+
+    from backend.engines.ray_engine import RayEngine
+    from backend.lora import LoRARequest, demo_adapters
+
+    config = RuntimeConfig(model=START, data_dir=str(data_dir), quantize="fp8", **SHARED)
+    adapter = demo_adapters.for_model(START, data_dir)[0]
+    fields = {"prompt": PROMPT, "seed": SEED, "num_inference_steps": 2}
+    engine_config = dataclasses.replace(ray_studio.supervisor.engine_config, app_name="lora-studio-fp8",
+                                        runtime=config.replace(engine="ray"), distill=None, preload=None,
+                                        cpus_per_replica=0)
+    engine = RayEngine(engine_config).start()
+    try:
+        outcome = engine.submit({"id": "fp8", "model": START, "params": fields,
+                                 "adapters": [{"name": adapter.stem, "path": str(adapter), "scale": 1.0}]}).wait()
+    finally:
+        engine.stop()
+    assert outcome.status == "succeeded", outcome.error
+    meta = outcome.result.metadata
+    assert meta["quantization"].startswith("fp8") and meta["lora_mode"]["mode"] == "unfused", meta
+    from backend import Omni
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a 1-CPU replica runs
+    try:
+        local = Omni(config=config).generate(**fields, lora_request=LoRARequest(adapter.stem, 1, str(adapter)),
+                                             lora_scale=1.0)[0]
+    finally:
+        torch.set_num_threads(threads)
+    from backend.outputs import save_result
+
+    assert np.array_equal(_pixels(save_result(outcome.result, path=tmp_path / "ray.png")),
+                          _pixels(local.save(tmp_path / "local.png")))
+
+
 def test_minimax_distill_through_the_ray_engine(ray_studio, data_dir, tmp_path):
     """`--engine ray --lora-backend distill --lora-path <turbo>` for MiniMax-H3: the replica fuses through the
     same start sequence (its runtime), as Omni and the local server do."""

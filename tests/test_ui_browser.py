@@ -11,36 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from ui_fixtures import ARTIFACTS, MODEL, app, lora_files  # noqa: F401  (fixtures)
+from ui_browser import TIMEOUT_MS, browser, expect, needs_chromium, open_page, shot  # noqa: F401  (fixtures)
+from ui_fixtures import MODEL, app, lora_files  # noqa: F401  (fixtures)
 
-import playwright.sync_api as playwright  # noqa: E402  (after the fixtures, as before)
-expect = playwright.expect
-expect.set_options(timeout=180_000)
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
-TIMEOUT_MS = 180_000  # a shared CI box can be slow; each wait ends as soon as its answer shows
-
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")
-def page(app):  # noqa: F811
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(TIMEOUT_MS)
-        page.goto(app.url)
-        page.wait_for_selector("#prompt textarea")
-        yield page
-        browser.close()
-
-
-def shot(page, name: str) -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
-    return path
+def page(browser, app):  # noqa: F811
+    page = open_page(browser, app)
+    yield page
+    page.close()
 
 
 def open_tab(page, name: str) -> None:

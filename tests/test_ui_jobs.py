@@ -8,58 +8,20 @@ follows the library, pins show at once, typed weights and seed -1 are honoured.
 from __future__ import annotations
 
 import io
-import os
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from PIL import Image
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from ui_fixtures import ARTIFACTS, MODEL, app, lora_files, wait_until  # noqa: F401  (fixtures)
+from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
+from ui_browser import (all_jobs, browser, expect, fill, needs_chromium, open_page, page, shot,  # noqa: F401
+                        wait_for)
 
-import playwright.sync_api as playwright  # noqa: E402
-expect = playwright.expect
-TIMEOUT_MS = int(os.environ.get("LORA_STUDIO_UI_TIMEOUT_MS", "120000"))  # each wait ends when its answer shows
-expect.set_options(timeout=TIMEOUT_MS)
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 PRESET = "qwen-image-2512-lightning-4step"
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
-
-
-@pytest.fixture(scope="module")
-def browser(app):  # noqa: F811
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        yield browser
-        browser.close()
-
-
-def open_page(browser, app):  # noqa: F811
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.set_default_timeout(TIMEOUT_MS)
-    page.goto(app.url)
-    page.wait_for_selector("#prompt textarea")
-    if page.locator("#fused-badge").count():  # the page's load has landed (the badge is its last answer)
-        expect(page.locator("#fused-badge .ls-badge")).to_be_visible()
-    return page
-
-
-@pytest.fixture
-def page(browser, app):  # noqa: F811
-    page = open_page(browser, app)
-    yield page
-    page.close()
-
-
-def shot(page, name: str) -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
-    return path
+pytestmark = needs_chromium
 
 
 def jobs_shown(page) -> list[dict]:
@@ -67,16 +29,8 @@ def jobs_shown(page) -> list[dict]:
         "els => els.map(e => ({id: e.dataset.job, status: e.dataset.status, step: +e.dataset.step}))")
 
 
-def wait_for(what, check, timeout: float = TIMEOUT_MS / 1000, every: float = 0.2):
-    return wait_until(check, timeout, what, every)
-
-
 def job(app, job_id):  # noqa: F811
     return app.get(f"v1/jobs/{job_id}")
-
-
-def all_jobs(app):  # noqa: F811
-    return app.get("v1/jobs?limit=1000")["data"]
 
 
 def cancel_all(app):  # noqa: F811
@@ -84,12 +38,6 @@ def cancel_all(app):  # noqa: F811
         if j["status"] in ("queued", "running"):
             httpx.delete(app.url + f"v1/jobs/{j['id']}", timeout=30)
     wait_for("the queue to drain", lambda: not any(j["status"] in ("queued", "running") for j in all_jobs(app)))
-
-
-def fill(page, elem_id: str, value) -> None:
-    box = page.locator(f"#{elem_id} input, #{elem_id} textarea").first
-    box.fill(str(value))
-    box.press("Tab")
 
 
 def test_reload_reattaches_and_the_job_finishes(browser, page, app):  # noqa: F811
@@ -226,7 +174,7 @@ def test_adapter_list_follows_the_library(page, app, lora_files):  # noqa: F811
         try:
             option.first.wait_for(timeout=2000)
             return option
-        except playwright.TimeoutError:
+        except PlaywrightTimeout:
             page.locator("#prompt textarea").click()  # close the list; look again
             return None
 

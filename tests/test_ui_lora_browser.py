@@ -18,11 +18,11 @@ import pytest
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
-from test_ui_jobs import (CHROMIUM, all_jobs, browser, fill, open_page, page, shot, wait_for,  # noqa: F401
-                          expect)
+from ui_browser import (all_jobs, browser, expect, fill, needs_chromium, open_page, page, shot,  # noqa: F401
+                        wait_for)
 from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
+pytestmark = needs_chromium
 
 
 def png_data_url(color=(200, 40, 40)) -> str:

@@ -3,41 +3,20 @@ schedule typed into a stack row reaches the job as the schedule, and a bad one i
 name on the page with nothing queued."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
+from ui_browser import TIMEOUT_MS, browser, expect, fill, needs_chromium, open_page  # noqa: F401  (fixtures)
 from ui_fixtures import app, lora_files, wait_until  # noqa: F401  (fixtures)
 
-import playwright.sync_api as playwright  # noqa: E402
-expect = playwright.expect
-TIMEOUT_MS = int(os.environ.get("LORA_STUDIO_UI_TIMEOUT_MS", "120000"))
-expect.set_options(timeout=TIMEOUT_MS)
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")
-def page(app, lora_files):  # noqa: F811
+def page(browser, app, lora_files):  # noqa: F811
     app.add_adapter(lora_files["style"], "sched-me")
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(TIMEOUT_MS)
-        page.goto(app.url)
-        page.wait_for_selector("#prompt textarea")
-        yield page
-        browser.close()
-
-
-def fill(page, elem_id: str, value) -> None:
-    box = page.locator(f"#{elem_id} input, #{elem_id} textarea").first
-    box.fill(str(value))
-    box.press("Tab")
+    page = open_page(browser, app)
+    yield page
+    page.close()
 
 
 def test_a_typed_schedule_reaches_the_job_and_a_bad_one_is_refused(page, app):  # noqa: F811

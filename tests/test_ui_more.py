@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from test_ui_jobs import (CHROMIUM, all_jobs, browser, expect, fill, open_page, page, shot,  # noqa: F401
-                          wait_for)
+from ui_browser import (TIMEOUT_MS, all_jobs, browser, expect, fill, needs_chromium, open_page, page,  # noqa: F401
+                        shot, wait_for)
 from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
+pytestmark = needs_chromium
 
 
 def choose(page, elem_id: str, option: str) -> None:
@@ -255,8 +255,6 @@ RECORD_NOTIFICATIONS = """
 
 
 def test_a_finished_job_changes_the_title_and_notifies(browser, app):  # noqa: F811
-    from test_ui_jobs import TIMEOUT_MS
-
     context = browser.new_context(permissions=["notifications"], viewport={"width": 1400, "height": 1000})
     context.add_init_script(RECORD_NOTIFICATIONS)
     page = context.new_page()

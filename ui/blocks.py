@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import gradio as gr
@@ -189,6 +190,17 @@ LOGIN_ASSETS = ("/assets/", "/static/", "/svelte/", "/pwa_icon")
 LOGIN_FORM = ("/login", "/login/")
 
 
+_API_INFO = re.compile(rb"window\.gradio_api_info\s*=\s*.*?;\s*</script>", re.S)
+_NO_API_INFO = b'window.gradio_api_info = {"named_endpoints": {}, "unnamed_endpoints": {}};</script>'
+
+
+def scrub_login_page(html: bytes) -> bytes:
+    """The login page as an anonymous visitor gets it: Gradio embeds the app's API description (its named
+    endpoints and their parameters) in every page, the login page too, while ``/gradio_api/info`` itself
+    needs a credential; the login page keeps an empty description."""
+    return _API_INFO.sub(lambda m: _NO_API_INFO, html, count=1)
+
+
 class GradioSessions:
     """backend.api.auth.Sessions over Gradio's own login (its session cookie and token table), so
     the gate and Gradio agree on who is logged in, and Gradio's own checks pass a request the gate
@@ -251,6 +263,8 @@ def mount(app, studio, *, auth=None, path: str = "/"):
         gate.add_open(exact=[root + p for p in LOGIN_PAGE] + ([root] if root else []),
                       prefixes=[root + p for p in LOGIN_ASSETS], login=[root + p for p in LOGIN_FORM])
         gate.sessions = GradioSessions(gradio_app)
+        gate.page_paths.update({root + "/", root or "/"})
+        gate.scrub = scrub_login_page
     return app
 
 

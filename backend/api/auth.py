@@ -27,7 +27,7 @@ import hmac
 import math
 import time
 from collections import OrderedDict
-from typing import Protocol
+from typing import Callable, Protocol
 
 from ..errors import InvalidParameter
 
@@ -139,6 +139,10 @@ class GateConfig:
         self.open_prefixes: list[str] = []
         self.login_paths: set[str] = set()  # the UI's login form: throttled, its answer tells the outcome
         self.sessions: Sessions | None = None
+        # the UI's login page as an anonymous client gets it: ``scrub(html) -> html`` takes out what the
+        # page would show only to someone logged in (Gradio embeds its API description there)
+        self.page_paths: set[str] = set()
+        self.scrub: Callable[[bytes], bytes] | None = None
 
     def add_open(self, exact=(), prefixes=(), login=()) -> None:
         self.open_exact.update(exact)
@@ -196,6 +200,8 @@ class AuthGate:
                 config.sessions.admit(scope, user)
             return await self.app(scope, receive, send)
         if config.is_open(path):
+            if config.scrub is not None and path in config.page_paths and scope["type"] == "http":
+                return await _scrubbed(self.app, scope, receive, send, config.scrub)
             return await self.app(scope, receive, send)
         return await _refuse(scope, receive, send, 401,
                              f"this server needs credentials: {_hint(config.credentials, api)}"
@@ -261,6 +267,33 @@ def _watch_login(send, throttle: Throttle, client: str):
         await send(message)
 
     return watching
+
+
+async def _scrubbed(app, scope, receive, send, scrub) -> None:
+    """Run ``app`` for an anonymous page request and pass its HTML through ``scrub`` (buffered: a login page
+    is a few kB), Content-Length set again; asked uncompressed so the text can be read."""
+    scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers") or [] if k != b"accept-encoding"]}
+    start, chunks = None, []
+
+    async def buffered(message):
+        nonlocal start
+        if message["type"] == "http.response.start":
+            start = message
+            return
+        if message["type"] != "http.response.body":
+            return await send(message)
+        chunks.append(message.get("body", b""))
+        if message.get("more_body"):
+            return
+        body = b"".join(chunks)
+        headers = [(k, v) for k, v in start.get("headers") or [] if k.lower() != b"content-length"]
+        kind = dict(headers).get(b"content-type", b"")
+        if kind.startswith(b"text/html") and b"content-encoding" not in dict(headers):
+            body = scrub(body)
+        await send({**start, "headers": headers + [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    await app(scope, receive, buffered)
 
 
 async def _refuse(scope, receive, send, status: int, message: str, *, challenge: str | None = None,

@@ -11,7 +11,7 @@ The driver-side API (what the server's dispatcher calls), a drop-in for the loca
 
     engine = RayEngine(RayEngineConfig(replicas=2)); engine.start()
     run = engine.submit({"id": "j1", "model": "demo:sd3.5", "params": {...}, "adapters": [...]})
-    for event in run.events():       # Progress(step, total, replica) ..., then one Outcome
+    for event in run.events():       # Progress(step, total, replica) / Preview(step, png, replica) ..., then one Outcome
         ...
     run.cancel()                     # from any thread; the replica stops at the next step
     engine.stop()
@@ -205,6 +205,14 @@ class Progress:
 
 
 @dataclass
+class Preview:
+    """A live preview of the running job (backend/preview.py): a small PNG of its latents at ``step``."""
+    step: int
+    png: bytes
+    replica: str
+
+
+@dataclass
 class Outcome:
     status: str  # "succeeded" | "failed" | "cancelled"
     result: Any = None  # backend.manager.GenerationResult when succeeded
@@ -368,7 +376,14 @@ class GenerationReplica:
                 loop.call_soon_threadsafe(queue.put_nowait, {"type": "progress", "step": step, "total": total,
                                                              "replica": self.identity["replica"]})
 
-            work = loop.run_in_executor(None, self._generate, slot, job, on_step, cancel, before)
+            def on_preview(job_id, step: int, data: bytes) -> None:  # backend/preview.py, about once a second
+                loop.call_soon_threadsafe(queue.put_nowait, {"type": "preview", "step": step, "png": data,
+                                                             "replica": self.identity["replica"]})
+
+            from ..preview import sender
+
+            previews = sender(on_preview, [job.id])
+            work = loop.run_in_executor(None, self._generate, slot, job, on_step, cancel, before, previews)
             work.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
             while (event := await queue.get()) is not None:
                 yield event
@@ -385,13 +400,14 @@ class GenerationReplica:
             cancel.set()  # a cancelled or abandoned request stops its generation at the next step
             self._wanted.pop(key, None)
 
-    def _generate(self, slot: _Slot, job: Job, on_step, cancel: threading.Event, before: dict):
+    def _generate(self, slot: _Slot, job: Job, on_step, cancel: threading.Event, before: dict, on_preview=None):
         with self.manager.exclusive():
             if self.manager.model_id != slot.model:  # another slot switched the model: bring this one back
                 self._ensure(slot.model, slot.adapters)
             self.counts["jobs"] += 1
             adapters = [(ref.request(), ref.scale) for ref in job.adapters]
-            result = self.manager.generate(job.params, adapters=adapters, on_step=on_step, cancel=cancel)
+            result = self.manager.generate(job.params, adapters=adapters, on_step=on_step, cancel=cancel,
+                                           on_preview=on_preview)
             engine = self.manager.lora_engine
             resident = {e.name for e in engine.loaded()} if engine else set()  # a pin and its alias share a name
             pinned = engine.stats()["pinned"] if engine else []
@@ -476,6 +492,8 @@ class RayJob:
                 if event["type"] == "progress":
                     self.replica = event["replica"]
                     yield Progress(event["step"], event["total"], event["replica"])
+                elif event["type"] == "preview":
+                    yield Preview(event["step"], event["png"], event["replica"])
                 elif event["type"] == "result":
                     from ..manager import GenerationResult
 
@@ -509,7 +527,7 @@ class RayJob:
         for event in self.events():
             if isinstance(event, Outcome):
                 return event
-            if on_progress is not None:
+            if on_progress is not None and isinstance(event, Progress):
                 on_progress(event)
         raise AssertionError("events() always ends with an Outcome")
 

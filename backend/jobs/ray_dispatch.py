@@ -38,6 +38,7 @@ class RayDispatcher:
         self.job_timeout = job_timeout  # --job-timeout: a job running longer is cancelled on its replica, failed
         self._started: dict[str, float] = {}  # job id -> when it was handed to a replica (monotonic)
         self._timed_out: set[str] = set()
+        self.previews: dict[str, dict] = {}  # job id -> its latest live preview, while it runs
         self.engine = None
         self.plan = None  # the deployment's DistillPlan (None: replicas serve the plain base)
         self.preload = None  # the deployment's PreloadPlan: --lora-path adapters every replica pins
@@ -113,9 +114,9 @@ class RayDispatcher:
     def wake(self) -> None:
         self._wake.set()
 
-    def preview(self, job_id: str) -> None:
-        """Live previews are not sent back by replicas (the local worker's only; docs/api.md)."""
-        return None
+    def preview(self, job_id: str) -> dict | None:
+        """The latest live preview a replica sent for a running job ({"step", "png"}), or None."""
+        return self.previews.get(str(job_id))
 
     def cancel_running(self, job_id: str) -> None:
         with self._lock:
@@ -189,13 +190,15 @@ class RayDispatcher:
         threading.Thread(target=self._follow, args=(job, run), name=f"ray-job-{job['id']}", daemon=True).start()
 
     def _follow(self, job: dict, run) -> None:
-        from ..engines.ray_engine import Outcome
+        from ..engines.ray_engine import Outcome, Preview
 
         job_id = job["id"]
         last = time.perf_counter()
         try:
             for event in run.events():
-                if not isinstance(event, Outcome):
+                if isinstance(event, Preview):
+                    self.previews[job_id] = {"step": event.step, "png": event.png}
+                elif not isinstance(event, Outcome):
                     now = time.perf_counter()
                     self._step_times = (self._step_times + [now - last])[-200:]
                     last = now
@@ -220,6 +223,7 @@ class RayDispatcher:
                 self._jobs.pop(job_id, None)
                 self._started.pop(job_id, None)
                 self._timed_out.discard(job_id)
+                self.previews.pop(job_id, None)
             if self._step_times:
                 self.info["seconds_per_step"] = sum(self._step_times) / len(self._step_times)
             self.wake()

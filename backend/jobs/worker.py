@@ -28,34 +28,6 @@ from backend.config import RuntimeConfig
 #: What the worker is started with: the one start config (backend/config.py), pickled across ``spawn``.
 WorkerConfig = RuntimeConfig
 
-#: A running job sends a live preview of its latents (backend/preview.py) at most this often (seconds);
-#: a job shorter than this sends none (and a model never asked for one never fits its preview map).
-PREVIEW_EVERY_S = 1.0
-
-
-def preview_sender(conn, job_ids: list[str], skip=lambda job_id: False):
-    """``on_preview`` for the manager: every ``PREVIEW_EVERY_S`` a small PNG of each job's sample
-    (``job_ids[i]`` is sample ``i``), sent as ("preview", id, step, png); never the last step (the
-    result follows it)."""
-    from backend.preview import png
-
-    last = [time.perf_counter()]
-
-    def on_preview(step: int, total, render) -> None:
-        now = time.perf_counter()
-        if now - last[0] < PREVIEW_EVERY_S or (total and step >= total):
-            return
-        last[0] = now
-        for i, job_id in enumerate(job_ids):
-            if skip(job_id):
-                continue
-            img = render(i)
-            if img is None:  # no preview for this model (backend/preview.py logged why once)
-                return
-            conn.send(("preview", job_id, step, png(img)))
-
-    return on_preview
-
 
 class _Worker:
     def __init__(self, conn, cancel, config: RuntimeConfig):
@@ -170,7 +142,7 @@ class _Worker:
         result = self.manager.generate(dict(job["params"]), adapters=adapters, on_step=on_step,
                                        cancel=self.cancel if cancel is None else cancel,
                                        queued_same=int(job.get("queued_same") or 0),
-                                       on_preview=preview_sender(self.conn, [job["id"]]))
+                                       on_preview=self._previews([job["id"]]))
         result.metadata["job_id"] = job["id"]
         if job.get("batch_decision"):  # formed as a batch, run alone by the cost model's choice
             result.metadata["batch"] = {"size": 1, "index": 0, "decision": job["batch_decision"]}
@@ -282,7 +254,7 @@ class _Worker:
         self._disk_reads({a[0].lora_int_id for j in jobs for a in self._adapters(j)})
         results = generate_batch(self.manager, [dict(j["params"]) for j in jobs], [self._adapters(j) for j in jobs],
                                  on_step=on_step, cancel=cancel,
-                                 on_preview=preview_sender(self.conn, [j["id"] for j in jobs],
+                                 on_preview=self._previews([j["id"] for j in jobs],
                                                            skip=lambda job_id: job_id in self._cancelled))
         for job, result in zip(jobs, results):
             result.metadata["job_id"] = job["id"]
@@ -290,6 +262,12 @@ class _Worker:
             if first_step:
                 result.metadata["first_step_s"] = round(first_step[0], 4)
         return results
+
+    def _previews(self, job_ids: list[str], skip=lambda job_id: False):
+        """Live previews of the running job(s) to the supervisor: ("preview", id, step, png)."""
+        from backend.preview import sender
+
+        return sender(lambda job_id, step, data: self.conn.send(("preview", job_id, step, data)), job_ids, skip)
 
     def _save(self, result):
         from backend.outputs import save_result

@@ -1,0 +1,74 @@
+"""Chromium for the browser tests: one set-up shared by every ``test_ui_*`` module that drives the page
+(Playwright over Debian's Chromium, headless, against the module's ``python app.py serve``).
+
+``expect``'s timeout is process-wide in Playwright, so it is set here, once: each wait ends as soon as
+its answer shows, and a shared CI box can be slow (``LORA_STUDIO_UI_TIMEOUT_MS``, default 180 s).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import playwright.sync_api as playwright
+import pytest
+
+from ui_fixtures import ARTIFACTS, wait_until
+
+expect = playwright.expect
+TIMEOUT_MS = int(os.environ.get("LORA_STUDIO_UI_TIMEOUT_MS", "180000"))
+expect.set_options(timeout=TIMEOUT_MS)
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+#: ``pytestmark = needs_chromium`` in each browser test module
+needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def browser(app):
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield browser
+        browser.close()
+
+
+def open_page(browser, app):
+    """A new tab on the app, once its page load has landed (the fused badge is its last answer)."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(app.url)
+    page.wait_for_selector("#prompt textarea")
+    if page.locator("#fused-badge").count():
+        expect(page.locator("#fused-badge .ls-badge")).to_be_visible()
+    return page
+
+
+@pytest.fixture
+def page(browser, app):
+    page = open_page(browser, app)
+    yield page
+    page.close()
+
+
+def shot(page, name: str) -> Path:
+    """A full-page screenshot under test-artifacts/."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def fill(page, elem_id: str, value) -> None:
+    """Type into a Gradio textbox or number field and leave it (Gradio reads the value on blur)."""
+    box = page.locator(f"#{elem_id} input, #{elem_id} textarea").first
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def wait_for(what, check, timeout: float = TIMEOUT_MS / 1000, every: float = 0.2):
+    return wait_until(check, timeout, what, every)
+
+
+def all_jobs(app):
+    return app.get("v1/jobs?limit=1000")["data"]
