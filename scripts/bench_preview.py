@@ -7,7 +7,10 @@ and a preview rendered and PNG-encoded after every step (the worst case). Rounds
 (backend/benchkit.py): medians with min-max, and the load average. Then the one-off cost: fitting a
 model's map (one small VAE encode and decode) and rendering one preview.
 
-    python scripts/bench_preview.py [--model demo:qwen-image] [--rounds 15] [--steps 8] [--size 256]
+    python scripts/bench_preview.py [--model demo:qwen-image] [--rounds 15] [--steps 200] [--size 256]
+
+(the demo's loop of 200 steps at 256 px runs about 2.5 s on one CPU thread, so the worker side sends
+two previews per request; its 40-step loop runs 0.5 s and would send none).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo:qwen-image")
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=200)  # a denoising loop over a second on the CPU demo
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=1)
