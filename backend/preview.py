@@ -3,13 +3,15 @@
 Decoding every few steps with the VAE would cost a large part of a step on a 14B Wan2.2 (a video VAE
 decode) and allocate activations next to the denoiser. Instead, as ComfyUI's "latent2rgb" previews do,
 a linear map from latent channels to RGB approximates the decoder: a (3 x C) matmul and a tiny copy to
-the host, microseconds on a GPU. ComfyUI keeps a hand-written factor table per model family; here the
-map comes from the artifact itself: the model's own VAE encodes a colour chart once (a 256 px image,
-one frame for a video VAE), and a least-squares fit maps the encoded latents, in the pipeline's
-normalised latent space (``latents_mean``/``latents_std`` or ``shift_factor``/``scaling_factor`` from
-the VAE's config), to the chart's colours at latent resolution. So any diffusers VAE (AutoencoderKL,
-AutoencoderKLWan, AutoencoderKLQwenImage, 16 or 48 channels) gets previews without a table, and a
-fine-tuned VAE gets its own fit.
+the host. ComfyUI keeps a hand-written factor table per model family; here the map comes from the
+artifact itself, fitted once per loaded model on its first preview: the model's own VAE encodes a colour
+chart (128 px, one frame for a video VAE) and decodes those latents and a grid of standard-normal ones
+(latents as a denoiser holds them mid-way); least squares maps the latents, in the pipeline's
+normalised space (``latents_mean``/``latents_std`` or ``shift_factor``/``scaling_factor`` from the VAE's
+config), to the decoded colours at latent resolution. So any diffusers VAE (AutoencoderKL,
+AutoencoderKLWan, AutoencoderKLQwenImage; 16 or 48 channels, 8x or 16x) gets previews without a table,
+and a fine-tuned VAE its own fit. Cost: one small encode and two small decodes once (milliseconds on a
+GPU, about a second for a CPU demo model), then a few ms per preview (``scripts/bench_preview.py``).
 
 Latents come as the pipeline's callback sees them: ``(B, C, H, W)`` (SD3), ``(B, C, F, H, W)`` (Wan:
 the middle latent frame is shown) or packed 2x2 tokens ``(B, H/2 * W/2, 4C)`` (Qwen-Image, Flux),
@@ -54,28 +56,30 @@ def chart(size: int = CHART) -> torch.Tensor:
     return rgb * 2.0 - 1.0
 
 
-def _normalise(vae, z: torch.Tensor) -> torch.Tensor:
-    """Raw VAE latents -> the pipeline's latent space (what the denoiser and the step callback see)."""
+def _affine(vae, z: torch.Tensor) -> tuple:
+    """(mean, std) with ``normalised = (raw - mean) / std``, as the pipelines read them from the VAE's config
+    (Wan, Qwen-Image: per-channel ``latents_mean``/``latents_std``; SD3, Flux: ``shift_factor`` and
+    ``1 / scaling_factor``), shaped to broadcast over ``z``."""
     cfg = vae.config
     shape = [1, -1] + [1] * (z.ndim - 2)
     mean, std = getattr(cfg, "latents_mean", None), getattr(cfg, "latents_std", None)
     if mean is not None and std is not None and len(mean) == z.shape[1]:
-        return (z - torch.tensor(mean, dtype=z.dtype).view(shape)) / torch.tensor(std, dtype=z.dtype).view(shape)
+        return (torch.tensor(mean, dtype=z.dtype).view(shape), torch.tensor(std, dtype=z.dtype).view(shape))
     shift = getattr(cfg, "shift_factor", None) or 0.0
     scale = getattr(cfg, "scaling_factor", None) or 1.0
-    return (z - shift) * scale
+    return shift, 1.0 / scale
+
+
+def _normalise(vae, z: torch.Tensor) -> torch.Tensor:
+    """Raw VAE latents -> the pipeline's latent space (what the denoiser and the step callback see)."""
+    mean, std = _affine(vae, z)
+    return (z - mean) / std
 
 
 def _denormalise(vae, z: torch.Tensor) -> torch.Tensor:
     """The inverse of ``_normalise``: the pipeline's latent space -> what the VAE decodes."""
-    cfg = vae.config
-    shape = [1, -1] + [1] * (z.ndim - 2)
-    mean, std = getattr(cfg, "latents_mean", None), getattr(cfg, "latents_std", None)
-    if mean is not None and std is not None and len(mean) == z.shape[1]:
-        return z * torch.tensor(std, dtype=z.dtype).view(shape) + torch.tensor(mean, dtype=z.dtype).view(shape)
-    shift = getattr(cfg, "shift_factor", None) or 0.0
-    scale = getattr(cfg, "scaling_factor", None) or 1.0
-    return z / scale + shift
+    mean, std = _affine(vae, z)
+    return z * std + mean
 
 
 class LatentPreview:
@@ -92,7 +96,8 @@ class LatentPreview:
         return self._failed is None
 
     def fit(self, video: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Encode the chart with the pipeline's VAE, fit ``rgb = W @ z + b`` by least squares."""
+        """Fit ``rgb = W @ z + b`` by least squares from the pipeline's VAE (the module docstring); ``video``:
+        the latents are 5-D (tried first as the VAE's input layout). None when the model has no preview."""
         if self._map is not None or self._failed is not None:
             return self._map
         vae = getattr(self.pipeline, "vae", None)
@@ -183,7 +188,7 @@ def _unpack(tokens: torch.Tensor, height: int | None, width: int | None) -> torc
     if rows <= 0 or length % rows:
         return None
     cols, c = length // rows, dim // 4
-    return tokens.view(rows, cols, c, 2, 2).permute(2, 0, 3, 1, 4).reshape(c, rows * 2, cols * 2)
+    return tokens.reshape(rows, cols, c, 2, 2).permute(2, 0, 3, 1, 4).reshape(c, rows * 2, cols * 2)
 
 
 def png(img) -> bytes:

@@ -20,17 +20,16 @@ from pathlib import Path
 from . import settings
 from .config import RuntimeConfig
 from .errors import AdapterNotFound, InvalidParameter, ModelNotFound, PathNotAllowed, StudioError
+from .families import DEFAULT_MODEL
 from .jobs.adapters import AdapterResolver
 from .jobs.queue import FINISHED, JobQueue
 from .jobs.supervisor import Supervisor
 from .limits import Limits, check_request, check_text
 from .lora.schedule import parse_text as parse_scale_text  # noqa: F401 - the UI's scale fields (torch-free)
 
-from .families import DEFAULT_MODEL
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
 log = logging.getLogger("lora_studio.service")
+
 
 class Studio:
     def __init__(self, model: str = DEFAULT_MODEL, *, data_dir=None, adapter_dirs=(), lora_backend: str = "peft",
