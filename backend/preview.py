@@ -149,9 +149,19 @@ class LatentPreview:
         return self._map
 
     def image(self, latents: torch.Tensor, height: int | None, width: int | None, index: int = 0):
-        """Sample ``index`` of a step's latents as a PIL image (longest side ``SIZE``), or None."""
+        """Sample ``index`` of a step's latents as a PIL image (longest side ``SIZE``), or None. Never raises:
+        a preview is best effort and must not fail the generation it runs inside (a shape this code does not
+        know is logged once and the model gets no more previews)."""
         if latents is None or self._failed is not None:
             return None
+        try:
+            return self._image(latents, height, width, index)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self._failed = f"{type(exc).__name__}: {exc}"
+            log.warning("live previews off for this model: %s", self._failed)
+            return None
+
+    def _image(self, latents: torch.Tensor, height: int | None, width: int | None, index: int):
         z = latents[index].detach()
         if z.ndim == 2:  # packed 2x2 tokens (L, 4C): back to (C, H, W) by the request's aspect ratio
             z = _unpack(z, height, width)

@@ -168,3 +168,23 @@ def test_unload_drops_the_previewer_with_the_pipeline(data_dir):
     m.unload()
     gc.collect()
     assert ref() is None, "the unloaded pipeline is still referenced (by the previewer?)"
+
+
+def test_a_preview_that_cannot_be_made_never_fails_the_generation(managers):
+    """Whatever a pipeline's callback hands over as "latents", a preview that cannot be made ends the model's
+    previews (logged) and the generation goes on with the same pixels: a shape the map was not fitted for
+    gives None, and one the code cannot even index (a 0-d tensor here) does not raise either."""
+    m = managers("demo:sd3.5")
+    request = {**_request("demo:sd3.5"), "num_inference_steps": 2}
+    plain = _run(m, request)
+    preview = m.live_preview()
+    assert preview.image(torch.zeros(1, 4, 8, 12), 64, 96) is not None  # fitted for SD3's channels
+
+    assert preview.image(torch.zeros(1, 4, 8, 12, 2, 2), 64, 96) is None and preview.available  # no fit
+
+    out = []
+    with_bad = _run(m, request, on_preview=lambda step, total, render: out.append(
+        m.preview_renderer({"latents": torch.tensor(0.0)}, request)()))
+    assert out == [None, None] and not preview.available
+    assert all(np.array_equal(a, b) for a, b in zip(plain, with_bad))
+    m._preview = None  # the next test in this module gets a fresh previewer
