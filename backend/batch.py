@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 
+from . import stepgate
 from .errors import Cancelled, InvalidParameter
 
 # what may differ between the requests of one batch (everything else must be equal)
@@ -81,6 +82,7 @@ def generate_batch(manager, requests: list[dict], adapter_sets: list, *, on_step
                 on_step(i + 1, total)
             if on_preview is not None:
                 on_preview(i + 1, total, manager.preview_renderer(tensors, params[0]))
+            stepgate.wait(i + 1, cancel)  # tests only
             return tensors
 
         hooks = engine.unfused.batch(adapter_sets) if engine is not None else _no_adapters(n)

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from . import params as param_rules
-from . import quant
+from . import quant, stepgate
 from .errors import Cancelled, CorruptModel, InvalidParameter, StudioError, UnsupportedModel
 from .minimax import offload as offload_policy
 from .families import Family, PipelineSpec
@@ -217,6 +217,7 @@ class PipelineManager:
             if self.minimax is not None:
                 from .minimax.runtime import generate_for_manager
 
+                on_step = stepgate.wrap(on_step, cancel.is_set if cancel is not None else None)  # tests only
                 return generate_for_manager(self, request, adapters=adapters, defaults=defaults,
                                             on_step=on_step, cancel=cancel, lora_mode=lora_mode)
             if "lora_mode" in request:  # a request field (HTTP): merge or unfused, not a pipeline argument
@@ -277,6 +278,7 @@ class PipelineManager:
                 on_step(i + 1, total)
             if on_preview is not None:
                 on_preview(i + 1, total, self.preview_renderer(tensors, params))
+            stepgate.wait(i + 1, cancel.is_set if cancel is not None else None)  # tests only
             return tensors
 
         generator = torch.Generator(device="cpu").manual_seed(params["seed"])

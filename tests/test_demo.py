@@ -21,6 +21,7 @@ def _digest_tree(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # rebuilds every demo model in two fresh processes to compare bytes (about 12 s)
 def test_builds_are_byte_identical_across_processes(tmp_path):
     script = ("import sys, json; from backend import demo; "
               "print(json.dumps({m: str(demo.ensure(m, sys.argv[1])) for m in sys.argv[2:]}))")

@@ -214,6 +214,7 @@ def test_per_expert_schedules_on_wan22(library, managers):
     assert sums(m) == base_sums
 
 
+@pytest.mark.slow  # torch.compile of a denoiser: 10-12 s of compiling on a CPU
 def test_a_compiled_denoiser_is_not_recompiled_per_step(library, managers):
     """torch.compile on CPU (dynamo, eager backend): a scheduled request compiles when its hooks go
     on, then every step runs that graph (the scales are a tensor the graph reads); the same switch

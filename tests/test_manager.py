@@ -132,6 +132,7 @@ def test_progress_per_step_and_cancel_stops_at_the_next_step(manager_for):
     assert seen == [1, 2]
 
 
+@pytest.mark.slow  # a leak check by repetition: five full loads and unloads
 def test_load_unload_five_times_does_not_grow_rss(data_dir):
     proc = psutil.Process()
     m = PipelineManager(device="cpu", data_dir=data_dir)

@@ -295,6 +295,7 @@ def test_distill_fuses_turbo_and_its_contract_governs(repo, tmp_path):
         gen(rt, num_inference_steps=3)
 
 
+@pytest.mark.slow  # rebuilds the MiniMax demo twice to compare bytes (about 10 s)
 def test_demo_build_is_byte_identical_and_in_repository_layout(tmp_path, repo):
     import hashlib
     import subprocess

@@ -146,10 +146,11 @@ def batch_server(data_dir, demo_path, library, tmp_path_factory):
         yield app
 
 
-def queued_behind_a_blocker(c, bodies: list[dict], on_running=None) -> dict:
-    """POST ``bodies`` while a long job holds the worker, then cancel that job: the queued jobs are claimed
-    together. ``on_running(job_ids)`` is called once they all run. Returns {index: response}, plus
-    "ids" (index -> job id, in submission order)."""
+def queued_behind_a_blocker(c, gate, bodies: list[dict], on_running=None) -> dict:
+    """POST ``bodies`` while a job held by the server's step ``gate`` holds the worker, then cancel that
+    job: the queued jobs are claimed together. ``on_running(job_ids)`` is called once they all run (held
+    at step 2 until it returns). Returns {index: response}, plus "ids" (index -> job id, in submission
+    order)."""
     answers: dict = {}
 
     def post(key, body):
@@ -158,25 +159,28 @@ def queued_behind_a_blocker(c, bodies: list[dict], on_running=None) -> dict:
         except Exception as exc:  # noqa: BLE001: reported by the assertion below
             answers[key] = exc
 
-    blocker = threading.Thread(target=post, args=("blocker", {"prompt": "hold", "size": "64x64", "seed": 1,
-                                                              "num_inference_steps": 400}))
-    blocker.start()
-    wait_until(lambda: c.get("/v1/jobs", params={"status": "running"}).json()["data"], 60, "the blocker runs")
-    held = c.get("/v1/jobs", params={"status": "running"}).json()["data"][0]["id"]
     threads = []
-    for i, body in enumerate(bodies):  # one after the other: submission order is seq order
-        threads.append(threading.Thread(target=post, args=(i, body)))
-        threads[-1].start()
-        wait_until(lambda: len(c.get("/v1/jobs", params={"status": "queued"}).json()["data"]) == i + 1
-                   or i in answers, 60, f"{i + 1} queued jobs")
-        assert i not in answers, getattr(answers[i], "text", answers[i])
-    queued = c.get("/v1/jobs", params={"status": "queued"}).json()["data"]
-    answers["ids"] = {i: j["id"] for i, j in enumerate(sorted(queued, key=lambda j: j["created_at"]))}
-    assert c.delete(f"/v1/jobs/{held}").status_code == 200
-    if on_running is not None:
-        wait_until(lambda: len(c.get("/v1/jobs", params={"status": "running"}).json()["data"]) == len(bodies), 60,
-                   "the batch runs")
-        on_running(answers["ids"])
+    with gate.held(1):
+        blocker = threading.Thread(target=post, args=("blocker", {"prompt": "hold", "size": "64x64", "seed": 1,
+                                                                  "num_inference_steps": 4}))
+        blocker.start()
+        wait_until(lambda: c.get("/v1/jobs", params={"status": "running"}).json()["data"], 60, "the blocker runs")
+        held = c.get("/v1/jobs", params={"status": "running"}).json()["data"][0]["id"]
+        for i, body in enumerate(bodies):  # one after the other: submission order is seq order
+            threads.append(threading.Thread(target=post, args=(i, body)))
+            threads[-1].start()
+            wait_until(lambda: len(c.get("/v1/jobs", params={"status": "queued"}).json()["data"]) == i + 1
+                       or i in answers, 60, f"{i + 1} queued jobs")
+            assert i not in answers, getattr(answers[i], "text", answers[i])
+        queued = c.get("/v1/jobs", params={"status": "queued"}).json()["data"]
+        answers["ids"] = {i: j["id"] for i, j in enumerate(sorted(queued, key=lambda j: j["created_at"]))}
+        if on_running is not None:
+            gate.hold(2)
+        assert c.delete(f"/v1/jobs/{held}").status_code == 200
+        if on_running is not None:
+            wait_until(lambda: len(c.get("/v1/jobs", params={"status": "running"}).json()["data"]) == len(bodies),
+                       60, "the batch runs")
+            on_running(answers["ids"])
     for t in threads + [blocker]:
         t.join(300)
     return answers
@@ -185,7 +189,7 @@ def queued_behind_a_blocker(c, bodies: list[dict], on_running=None) -> dict:
 def test_four_jobs_with_different_adapters_run_as_one_batch_over_http(data_dir, library, names, batch_server,
                                                                     tmp_path_factory):
     with batch_server.client() as c:
-        answers = queued_behind_a_blocker(c, [_body(i, n) for i, n in enumerate(names)])
+        answers = queued_behind_a_blocker(c, batch_server.gate, [_body(i, n) for i, n in enumerate(names)])
         batched = {}
         for i in range(4):
             r = answers[i]
@@ -214,16 +218,17 @@ def test_four_jobs_with_different_adapters_run_as_one_batch_over_http(data_dir, 
 def test_cancelling_one_job_of_a_running_batch_drops_only_that_sample(batch_server, names):
     bodies = [{**_body(i, n), "num_inference_steps": 30} for i, n in enumerate(names[:3])]
     with batch_server.client() as c:
-        def cancel_second(ids):
-            wait_until(lambda: c.get(f"/v1/jobs/{ids[1]}").json()["progress"]["step"] >= 2, 120, "a few steps")
+        def cancel_second(ids):  # the batch is held at step 2 (queued_behind_a_blocker) until this returns
+            wait_until(lambda: c.get(f"/v1/jobs/{ids[1]}").json()["progress"]["step"] >= 2, 120, "two steps")
             assert c.delete(f"/v1/jobs/{ids[1]}").status_code == 200
+            wait_until(lambda: c.get(f"/v1/jobs/{ids[1]}").json()["status"] == "cancelled", 60, "the cancel")
 
-        answers = queued_behind_a_blocker(c, bodies, on_running=cancel_second)
+        answers = queued_behind_a_blocker(c, batch_server.gate, bodies, on_running=cancel_second)
         ids = answers["ids"]
         assert answers[1].status_code == 409, answers[1].text  # the cancelled one
         job = c.get(f"/v1/jobs/{ids[1]}").json()
         assert job["status"] == "cancelled" and job["result"] is None
-        assert job["progress"]["step"] < 30  # it stopped being reported when it was cancelled
+        assert job["progress"]["step"] == 2  # it stopped being reported when it was cancelled
         for i in (0, 2):  # the others finished in the same batch
             assert answers[i].status_code == 200, answers[i].text
             meta = answers[i].json()["data"][0]["metadata"]
@@ -233,7 +238,7 @@ def test_cancelling_one_job_of_a_running_batch_drops_only_that_sample(batch_serv
 def test_a_failure_in_a_batch_fails_every_job_in_it_and_the_queue_goes_on(batch_server, names):
     bad = {**_body(1, names[1]), "lora": {"name": names[1], "scale": 1e300}}  # finite, accepted; overflows
     with batch_server.client() as c:
-        answers = queued_behind_a_blocker(c, [_body(0, names[0]), bad])
+        answers = queued_behind_a_blocker(c, batch_server.gate, [_body(0, names[0]), bad])
         for i in (0, 1):
             assert answers[i].status_code == 400, answers[i].text
             msg = answers[i].json()["error"]["message"]

@@ -205,7 +205,7 @@ def test_a_gguf_of_another_model_is_one_line_naming_the_file(data_dir, capsys):
     import app
     from backend.demo import gguf
 
-    path = gguf.ensure(MODEL, "Q8_0", data_dir)
+    path = gguf.ensure(MODEL, "Q8_0", data_dir).resolve()  # named as resolved (data_dir/models may be a link)
     rc = app.main(["generate", "--model", "demo:qwen-image", "--gguf", str(path), "--prompt", "x",
                    "--data-dir", str(data_dir), "--device", "cpu"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -317,7 +317,7 @@ def test_studio_checks_the_flags_and_hands_the_worker_the_files(data_dir, tmp_pa
     from backend.demo import gguf
     from backend.service import Studio
 
-    path = str(gguf.ensure(MODEL, "Q8_0", data_dir))
+    path = str(gguf.ensure(MODEL, "Q8_0", data_dir).resolve())  # kept resolved (data_dir/models may be a link)
     studio = Studio(MODEL, data_dir=tmp_path, gguf=[path])
     try:
         assert studio.config.gguf == (f"transformer={path}",) and studio.config.quantize is None

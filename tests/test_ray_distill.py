@@ -122,6 +122,7 @@ def _on_both_replicas(studio, seeds, rounds=6):
     return done
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_every_replica_fuses_the_same_files_and_equals_the_local_engine(studio, local):
     fused = studio.system()["fused"]
     expected = local.fused_state()
@@ -146,6 +147,7 @@ def test_every_replica_fuses_the_same_files_and_equals_the_local_engine(studio, 
     assert studio.system()["fused"]["checksums"] == expected["checksums"]
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 @pytest.mark.parametrize("field,value", [("num_inference_steps", 8), ("true_cfg_scale", 4.0)])
 def test_a_request_that_breaks_the_preset_is_rejected_by_name(studio, local, field, value):
     params = {"prompt": PROMPT, "seed": 1, field: value}
@@ -157,6 +159,7 @@ def test_a_request_that_breaks_the_preset_is_rejected_by_name(studio, local, fie
     assert job["error_detail"]["status"] == 422 and job["error_detail"]["param"] == field
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_per_request_adapters_run_on_top_of_the_fused_base_as_locally(studio, local, data_dir):
     from backend.lora import LoRARequest, demo_adapters
 
@@ -170,6 +173,7 @@ def test_per_request_adapters_run_on_top_of_the_fused_base_as_locally(studio, lo
     assert np.array_equal(_pixels(job), np.asarray(want.images[0].convert("RGB")))
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_over_http_the_contract_is_422_and_metrics_report_the_fused_preset(studio, local):
     from backend.api import create_app
     from backend.api.server import ThreadedServer
@@ -187,6 +191,7 @@ def test_over_http_the_contract_is_422_and_metrics_report_the_fused_preset(studi
     assert [f["sha256"] for f in system["fused"]["files"]] == [f["sha256"] for f in local.fused_state()["files"]]
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_a_run_time_preset_switch_is_refused_naming_the_start_flag(studio):
     with pytest.raises(StudioError) as err:
         studio.apply_preset(OTHER)
@@ -199,6 +204,7 @@ def test_a_run_time_preset_switch_is_refused_naming_the_start_flag(studio):
     assert studio.system()["fused"]["preset"] == PRESET
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_another_model_runs_unfused_and_switching_back_fuses_again(studio, local):
     studio.wait(studio.switch_model("demo:sd3.5")["id"], timeout=120)
     assert studio.system()["fused"]["state"] == "base" and studio.current_preset() is None
@@ -215,6 +221,7 @@ def test_another_model_runs_unfused_and_switching_back_fuses_again(studio, local
     assert meta["distill"]["preset"] == PRESET and meta["distill"]["checksums"] == local.fused_state()["checksums"]
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_a_killed_replica_comes_back_fused_and_the_next_job_succeeds(studio, local):
     import ray
 

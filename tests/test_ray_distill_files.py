@@ -15,6 +15,8 @@ pytest.importorskip("ray")
 from backend.engines.ray_engine import DistillPlan, RayEngine, RayEngineConfig  # noqa: E402
 from backend.errors import ContractViolation, InvalidParameter  # noqa: E402
 
+pytestmark = pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
+
 MODEL = "demo:wan2.2-t2v"
 PRESET = "wan2.2-t2v-a14b-lightx2v-4step"
 PARAMS = {"prompt": "a cat playing with yarn", "seed": 7}

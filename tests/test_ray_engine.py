@@ -16,6 +16,8 @@ import ray  # noqa: E402
 from backend.engines.ray_engine import Outcome, Progress, RayEngine, RayEngineConfig  # noqa: E402
 from backend.errors import AdapterError, Cancelled  # noqa: E402
 
+pytestmark = pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
+
 MODEL = "demo:sd3.5"
 FAST = {"prompt": "a red fox", "seed": 3, "num_inference_steps": 2}
 

@@ -91,6 +91,7 @@ def _pixels(job):
     return np.asarray(Image.open(job["result"]["path"]).convert("RGB"))
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_both_replicas_pin_it_at_start_and_a_job_naming_it_loads_nothing(studio, local, pinned):
     from backend.lora import LoRARequest
 
@@ -128,6 +129,7 @@ def test_both_replicas_pin_it_at_start_and_a_job_naming_it_loads_nothing(studio,
         assert not np.array_equal(np.asarray(plain.images[0]), np.asarray(want.images[0]))  # the adapter acts
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_system_and_v1_loras_report_the_pinned_adapter_as_locally(studio, local, pinned):
     from backend.api import create_app
     from backend.api.server import ThreadedServer
@@ -141,6 +143,7 @@ def test_system_and_v1_loras_report_the_pinned_adapter_as_locally(studio, local,
     assert {row["name"] for row in loras["library"] if row["pinned"]} == {pinned.stem}
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_a_stale_node_copy_stops_the_start_in_one_line_naming_the_file(studio, pinned, data_dir):
     """The head hashed one file, the node holds another (stale rsync): the replica refuses to pin
     it, and starting says why. A second app on the same cluster, replicas needing no CPU."""

@@ -19,6 +19,8 @@ from PIL import Image  # noqa: E402
 from backend.errors import InvalidParameter  # noqa: E402
 from backend.service import Studio, job_error  # noqa: E402
 
+pytestmark = pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
+
 MODEL = "demo:sd3.5"
 
 

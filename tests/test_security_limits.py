@@ -77,6 +77,7 @@ def _generate_inputs(prompt: str, *, model=None, steps=1) -> list:
 
 
 # -- 14.8: waiting holds no thread; the queue bound answers 429 --------------------------------------------
+@pytest.mark.slow  # a load run: 140 requests against one server, with latency bounds
 def test_waiting_requests_hold_no_thread_and_the_queue_bound_answers_429(server):
     """60 /v1 generations and 30 UI /generate calls wait behind one long job: /health, /v1/jobs,
     /metrics, a Gradio call and cancel still answer at once, and past --max-queue (120) it is 429.

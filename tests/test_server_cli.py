@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from backend.api.server import free_port
-from ui_fixtures import wait_until_up
+from ui_fixtures import GATE_FILE, StepGate, step_gate_env, wait_until, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,9 +62,15 @@ def test_serve_binds_loopback_guards_v1_and_shuts_down_cleanly(data_dir, tmp_pat
         rc = proc.wait(60)
         log.close()
     assert rc == 0, (tmp_path / "server.log").read_text()
-    time.sleep(0.5)
-    with pytest.raises(ProcessLookupError):  # the worker went with it
-        os.kill(worker_pid, 0)
+    wait_until(lambda: not _alive(worker_pid), 30, f"the worker (pid {worker_pid}) to go with the server")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_ctrl_c_mid_job_exits_quietly_and_keeps_the_job_for_the_next_start(data_dir, tmp_path):
@@ -82,29 +88,34 @@ def test_ctrl_c_mid_job_exits_quietly_and_keeps_the_job_for_the_next_start(data_
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "app.py", "serve", "demo:sd3.5", "--port", str(port), "--data-dir",
                              str(home), "--device", "cpu"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **step_gate_env(home)}, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
     base, answers = f"http://127.0.0.1:{port}", {}
+
+    opened = {"job": threading.Event(), "tab": threading.Event()}
 
     def hold(name, method, url, **kw):
         try:
             with httpx.stream(method, url, timeout=120, **kw) as r:
+                opened[name].set()  # the answer's head came: the stream is open
                 answers[name] = (r.status_code, r.read() if name == "job" else b"")
         except httpx.HTTPError as exc:
             answers[name] = (None, repr(exc).encode())
 
     try:
         wait_until_up(proc, base + "/", tmp_path / "server.log", paths=("health",))
+        StepGate(home / GATE_FILE).hold(1)  # the job runs (held at step 1) when Ctrl-C comes
         holders = [threading.Thread(target=hold, args=("job", "POST", f"{base}/v1/images/generations"),
-                                    kwargs={"json": {"prompt": "x", "size": "512x512", "num_inference_steps": 1000}})]
+                                    kwargs={"json": {"prompt": "x", "size": "64x64", "num_inference_steps": 4}})]
         if importlib.util.find_spec("ui") is not None:
             holders.append(threading.Thread(target=hold, args=("tab", "GET", f"{base}/gradio_api/heartbeat/t1")))
         for t in holders:
             t.start()
-        while not (jobs := httpx.get(f"{base}/v1/jobs").json()["data"]) or jobs[0]["status"] != "running":
-            time.sleep(0.2)
+        jobs = wait_until(lambda: (rows := httpx.get(f"{base}/v1/jobs").json()["data"]) and rows[0]["status"] == "running"
+                          and rows[0]["progress"]["step"] >= 1 and rows, 120, "the job to run")
         job_id = jobs[0]["id"]
-        time.sleep(1)
+        if len(holders) > 1:
+            assert opened["tab"].wait(60), "the tab's event stream did not open"
         os.killpg(proc.pid, signal.SIGINT)
         started = time.monotonic()
         rc = proc.wait(60)

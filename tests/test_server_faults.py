@@ -14,8 +14,8 @@ from backend.service import Studio
 from ui_fixtures import wait_until
 
 SHORT = {"prompt": "x", "height": 64, "width": 64, "num_inference_steps": 2, "true_cfg_scale": 1.0, "seed": 1}
-# long enough that no fault test sees it finish on a fast machine (they cancel or kill it early)
-LONG = {**SHORT, "height": 128, "width": 128, "num_inference_steps": 1000}
+# held running by the step gate (``gate``) until the test cancels or kills it
+LONG = {**SHORT, "height": 128, "width": 128, "num_inference_steps": 8}
 
 
 def _studio(data_dir, db, **kw) -> Studio:
@@ -45,32 +45,39 @@ def _running_at_step(studio, job_id, step=2):
                   and j, what=f"job {job_id} to reach step {step}")
 
 
-def test_cancel_of_a_running_job_stops_it_at_the_next_step(server):
+def test_cancel_of_a_running_job_stops_it_at_the_next_step(server, gate):
     studio, url = server
-    job = studio.submit("generate", LONG)
-    _running_at_step(studio, job["id"])
-    resp = httpx.delete(f"{url}/v1/jobs/{job['id']}")
-    assert resp.status_code == 200
-    done = studio.wait(job["id"], timeout=60)
+    with gate.held(2):
+        job = studio.submit("generate", LONG)
+        _running_at_step(studio, job["id"])
+        resp = httpx.delete(f"{url}/v1/jobs/{job['id']}")
+        assert resp.status_code == 200
+        done = studio.wait(job["id"], timeout=60)
     assert done["status"] == "cancelled" and done["result"] is None
-    assert done["progress"]["step"] < 1000  # it stopped early, it did not run to the end
+    assert done["progress"]["step"] == 2  # it stopped where it was, it did not run to the end
     ok = studio.run("generate", SHORT, timeout=60)
     assert ok["status"] == "succeeded"
 
 
-def test_cancel_of_a_queued_job(server):
+def test_cancel_of_a_queued_job(server, gate):
     studio, url = server
-    first = studio.submit("generate", LONG)
-    second = studio.submit("generate", SHORT)
-    got = httpx.delete(f"{url}/v1/jobs/{second['id']}").json()
-    assert got["status"] == "cancelled"
-    studio.cancel(first["id"])
-    assert studio.wait(first["id"], 60)["status"] == "cancelled"
+    with gate.held(1):
+        first = studio.submit("generate", LONG)
+        second = studio.submit("generate", SHORT)
+        got = httpx.delete(f"{url}/v1/jobs/{second['id']}").json()
+        assert got["status"] == "cancelled"
+        studio.cancel(first["id"])
+        assert studio.wait(first["id"], 60)["status"] == "cancelled"
     assert studio.job(second["id"])["started_at"] is None  # never ran
 
 
-def test_full_queue_answers_429(server):
+def test_full_queue_answers_429(server, gate):
     studio, url = server
+    with gate.held(1):
+        _full_queue_answers_429(studio, url)
+
+
+def _full_queue_answers_429(studio, url):
     running = studio.submit("generate", LONG)
     _running_at_step(studio, running["id"], 1)
     queued = [studio.submit("generate", SHORT) for _ in range(2)]  # --max-queue 2
@@ -89,14 +96,15 @@ def test_full_queue_answers_429(server):
         assert studio.wait(j["id"], 60)["status"] == "cancelled", j["id"]
 
 
-def test_kill_9_of_the_worker_mid_job_fails_that_job_and_the_queue_goes_on(server):
+def test_kill_9_of_the_worker_mid_job_fails_that_job_and_the_queue_goes_on(server, gate):
     studio, url = server
-    victim = studio.submit("generate", LONG)
-    _running_at_step(studio, victim["id"])
-    after = studio.submit("generate", SHORT)
-    pid = studio.system()["worker"]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    failed = studio.wait(victim["id"], timeout=30)
+    with gate.held(2):
+        victim = studio.submit("generate", LONG)
+        _running_at_step(studio, victim["id"])
+        after = studio.submit("generate", SHORT)
+        pid = studio.system()["worker"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        failed = studio.wait(victim["id"], timeout=30)
     assert failed["status"] == "failed"
     assert "SIGKILL" in failed["error"] and "worker process died" in failed["error"]
     ok = studio.wait(after["id"], timeout=300)
@@ -109,14 +117,15 @@ def test_kill_9_of_the_worker_mid_job_fails_that_job_and_the_queue_goes_on(serve
     assert r["status"] == "failed"
 
 
-def test_server_restart_resumes_queued_and_requeues_the_running_job_once(data_dir, db, server):
+def test_server_restart_resumes_queued_and_requeues_the_running_job_once(data_dir, db, server, gate):
     studio, _ = server
-    running = studio.submit("generate", {**SHORT, "num_inference_steps": 30})
-    _running_at_step(studio, running["id"], 1)
-    queued = [studio.submit("generate", {**SHORT, "seed": s}) for s in (5, 6)]
-    studio.supervisor.stop()  # the server goes away mid-job (no chance to record anything)
-    studio.queue.close()
-    studio._closed = True
+    with gate.held(1):  # the server goes away while the job runs (held at step 1)
+        running = studio.submit("generate", {**SHORT, "num_inference_steps": 3})
+        _running_at_step(studio, running["id"], 1)
+        queued = [studio.submit("generate", {**SHORT, "seed": s}) for s in (5, 6)]
+        studio.supervisor.stop()  # no chance to record anything
+        studio.queue.close()
+        studio._closed = True
 
     again = _studio(data_dir, db).start()
     try:

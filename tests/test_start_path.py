@@ -185,8 +185,12 @@ def _turbo_standin(folder: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("backend, offload", [("peft", "none"), ("peft", "group"), ("distill", "none"),
-                                              ("distill", "group")])
+# each backend and each offload mode once in the default tier, the two other pairs in the slow one
+_EXHAUSTIVE = pytest.mark.slow
+
+
+@pytest.mark.parametrize("backend, offload", [("peft", "none"), pytest.param("peft", "group", marks=_EXHAUSTIVE),
+                                              pytest.param("distill", "none", marks=_EXHAUSTIVE), ("distill", "group")])
 def test_minimax_server_starts_with_each_backend_and_offload(backend, offload, data_dir, demo_path,
                                                              tmp_path_factory, tmp_path):
     demo_path("demo:minimax-h3")
@@ -257,6 +261,7 @@ def ray_studio(data_dir, demo_path, tmp_path_factory):
     studio.close()
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 @pytest.mark.parametrize("model", MODELS)
 def test_omni_and_the_ray_engine_start_the_same(model, ray_studio, data_dir, image, tmp_path):
     fields = _fields(model, image)
@@ -272,6 +277,7 @@ def test_omni_and_the_ray_engine_start_the_same(model, ray_studio, data_dir, ima
     assert ray_pixels.shape == pixels.shape and np.array_equal(ray_pixels, pixels)
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_lora_mode_and_pristine_reach_the_ray_replicas(ray_studio, data_dir):
     """--lora-mode unfused / --pristine host: a replica runs an adapter the way the config says (a replica
     built its PEFT engine with the defaults before: merged on CPU)."""
@@ -287,6 +293,7 @@ def test_lora_mode_and_pristine_reach_the_ray_replicas(ray_studio, data_dir):
     assert meta["engine"]["pristine"]["mode"] == "host", meta["engine"]
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_an_fp8_base_through_the_ray_engine_equals_the_local_one(ray_studio, data_dir, tmp_path):
     """`--engine ray --quantize fp8`: a replica loads the fp8 base through the one start sequence and runs an
     adapter unfused on it; pixels equal to Omni on the same config, and the metadata says fp8 and unfused."""
@@ -325,6 +332,7 @@ def test_an_fp8_base_through_the_ray_engine_equals_the_local_one(ray_studio, dat
                           _pixels(local.save(tmp_path / "local.png")))
 
 
+@pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 def test_minimax_distill_through_the_ray_engine(ray_studio, data_dir, tmp_path):
     """`--engine ray --lora-backend distill --lora-path <turbo>` for MiniMax-H3: the replica fuses through the
     same start sequence (its runtime), as Omni and the local server do."""

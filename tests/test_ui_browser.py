@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ui_browser import TIMEOUT_MS, browser, expect, needs_chromium, open_page, shot  # noqa: F401  (fixtures)
+from ui_browser import TIMEOUT_MS, browser, expect, needs_chromium, open_page, shot, wait_for  # noqa: F401  (fixtures)
 from ui_fixtures import MODEL, app, lora_files  # noqa: F401  (fixtures)
 
 pytestmark = needs_chromium
@@ -65,22 +65,24 @@ def test_import_add_generate_with_progress(page, app, lora_files):  # noqa: F811
     page.locator("#adapter-add").click()
     expect(page.locator("#stack-name-0 textarea, #stack-name-0 input").first).to_have_value("ui-style")
     page.locator("#prompt textarea").fill("a lighthouse at dusk")
-    page.locator("#field-num_inference_steps input").fill("300")  # seconds even on a quiet machine: the bar is seen to move
-    page.locator("#generate-btn").click()
-
-    seen, deadline = [], time.monotonic() + TIMEOUT_MS / 1000
+    page.locator("#field-num_inference_steps input").fill("4")
     job = page.locator("#gen-status .ls-job")
-    while time.monotonic() < deadline:
-        if job.count():
-            status, step = job.get_attribute("data-status"), int(job.get_attribute("data-step") or 0)
-            if not seen or seen[-1] != (status, step):
-                seen.append((status, step))
-            if status in ("succeeded", "failed", "cancelled"):
-                break
-        time.sleep(0.05)
-    assert seen and seen[-1][0] == "succeeded", (seen, page.locator("#gen-status").inner_text())
-    steps = sorted({s for st, s in seen if st == "running"})
-    assert len(steps) >= 2, f"the progress bar should move step by step, saw {seen}"
+
+    def shows(status: str, step: int):
+        return lambda: job.count() and job.get_attribute("data-status") == status \
+            and int(job.get_attribute("data-step") or 0) == step
+
+    # the step gate holds the job after each step until the test has seen the bar there
+    seen = []  # the bar moves step by step: 1, then 2, then the finished job at 4 of 4
+    with app.gate.held(1):
+        page.locator("#generate-btn").click()
+        for step in (1, 2):
+            app.gate.hold(step)
+            wait_for(f"the bar at step {step}", shows("running", step))
+            seen.append(("running", step))
+    wait_for("the job to succeed", lambda: job.count() and job.get_attribute("data-status") == "succeeded")
+    seen.append(("succeeded", int(job.get_attribute("data-step") or 0)))
+    assert seen[-1] == ("succeeded", 4), (seen, page.locator("#gen-status").inner_text())
     page.locator("#result-image img").wait_for()
     expect(page.locator("#result-metadata")).to_contain_text("ui-style")
     shot(page, "generate")
@@ -99,7 +101,7 @@ def test_gallery_restores_settings(page, lora_files):  # noqa: F811
     page.locator("#gallery-use").click()
     expect(page.locator("#prompt textarea")).to_have_value("a lighthouse at dusk")
     expect(page.locator("#stack-name-0 textarea, #stack-name-0 input").first).to_have_value("ui-style")
-    expect(page.locator("#field-num_inference_steps input")).to_have_value("300")
+    expect(page.locator("#field-num_inference_steps input")).to_have_value("4")
 
     # a PNG that was not made here is refused with a reason
     open_tab(page, "Gallery")
@@ -116,7 +118,7 @@ def plain_png(folder: Path) -> Path:
 
 
 def test_compare_grid_is_one_batch(page):
-    # the grid renders with the Generate tab's settings: 4 cells at the 300 steps the gallery test
+    # the grid renders with the Generate tab's settings: 4 cells at the 300 steps an earlier gallery test
     # restored took 60 s on a quiet machine and past the wait on a busy one; 20 steps show the same
     open_tab(page, "Generate")
     page.locator("#field-num_inference_steps input").fill("20")

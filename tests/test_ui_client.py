@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ui_fixtures import MODEL, app, lora_files  # noqa: F401  (fixtures)
+from ui_fixtures import MODEL, app, lora_files, wait_until  # noqa: F401  (fixtures)
 
 import gradio_client  # noqa: E402
 
@@ -76,17 +76,14 @@ def test_apply_preset(client):
 
 
 def test_cancel_a_job(app, client):  # noqa: F811
-    pending = client.submit(**{**BASE, "prompt": "a very long job", "num_inference_steps": 1000},
-                            api_name="/generate")
-    deadline, running = time.monotonic() + 120, None
-    while running is None and time.monotonic() < deadline:
-        running = next((j for j in app.get("/v1/jobs?limit=20")["data"] if j["status"] == "running"
-                        and (j.get("params") or {}).get("prompt") == "a very long job"), None)
-        time.sleep(0.05)
-    assert running is not None, "the job never started"
-    client.predict(job_id=str(running["id"]), api_name="/cancel")
-    with pytest.raises(Exception, match="cancelled"):
-        pending.result(timeout=120)
+    with app.gate.held(1):  # running (at step 1) until the cancel
+        pending = client.submit(**{**BASE, "prompt": "a held job", "num_inference_steps": 4}, api_name="/generate")
+        running = wait_until(lambda: next((j for j in app.get("/v1/jobs?limit=20")["data"] if j["status"] == "running"
+                                           and (j.get("params") or {}).get("prompt") == "a held job"), None),
+                             120, "the job to run")
+        client.predict(job_id=str(running["id"]), api_name="/cancel")
+        with pytest.raises(Exception, match="cancelled"):
+            pending.result(timeout=120)
     final = app.get(f"/v1/jobs/{running['id']}")
     assert final["status"] == "cancelled", final
-    assert (final.get("progress") or {}).get("step", 0) < 1000
+    assert (final.get("progress") or {}).get("step", 0) < 4

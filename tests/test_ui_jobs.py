@@ -8,7 +8,6 @@ follows the library, pins show at once, typed weights and seed -1 are honoured.
 from __future__ import annotations
 
 import io
-import time
 
 import httpx
 import pytest
@@ -41,55 +40,59 @@ def cancel_all(app):  # noqa: F811
 
 
 def test_reload_reattaches_and_the_job_finishes(browser, page, app):  # noqa: F811
-    # a long job (cancelled over HTTP once the test has seen what it needs) and a short one queued behind it
-    fill(page, "prompt", "a long one")
-    fill(page, "field-num_inference_steps", 1000)
-    fill(page, "field-height", 256)
-    fill(page, "field-width", 256)
-    page.locator("#generate-btn").click()
-    fill(page, "prompt", "a lighthouse at dusk")
-    fill(page, "field-num_inference_steps", 2)
-    fill(page, "field-height", 64)
-    fill(page, "field-width", 64)
-    page.locator("#generate-btn").click()
-    long = wait_for("the long job to run", lambda: next((j for j in jobs_shown(page)
-                                                         if j["status"] == "running" and j["step"] >= 1), None))
-    short = wait_for("the short job queued", lambda: next((j for j in jobs_shown(page)
-                                                           if j["status"] == "queued"), None))
-    # progress people can read: elapsed and ETA, the queue position, the step in the page title
-    expect(page.locator("#gen-status")).to_contain_text("elapsed")
-    expect(page.locator("#gen-status")).to_contain_text("position 1 in the queue")
-    wait_for("the title to show progress", lambda: page.title().startswith("["))
-    # a live preview of the running job's latents, refreshed as it goes (about once a second)
-    live = page.locator(f'#gen-status .ls-job[data-job="{long["id"]}"] img.ls-live')
-    expect(live).to_be_visible()
-    first_step = int(live.get_attribute("data-step"))
-    assert live.get_attribute("src").startswith("data:image/png;base64,")
-    wait_for("a later preview", lambda: int(live.get_attribute("data-step") or 0) > first_step)
-    assert page.locator(f'#gen-status .ls-job[data-job="{short["id"]}"] img.ls-live').count() == 0  # queued
-    # the same over HTTP: a small PNG and its step; 204 for the queued job, 404 for no job
-    resp = httpx.get(app.url + f"v1/jobs/{long['id']}/preview", timeout=30)
-    assert resp.status_code == 200 and resp.headers["content-type"] == "image/png", resp.text[:200]
-    assert int(resp.headers["x-preview-step"]) >= 1
-    with Image.open(io.BytesIO(resp.content)) as img:
-        assert max(img.size) == 128 and img.mode == "RGB"
-    assert httpx.get(app.url + f"v1/jobs/{short['id']}/preview", timeout=30).status_code == 204
-    missing = httpx.get(app.url + "v1/jobs/no-such-job/preview", timeout=30)
-    assert missing.status_code == 404 and missing.json()["error"]["param"] == "job_id", missing.text
-    other = open_page(browser, app)  # a second tab sees the same jobs, with their progress
-    expect(other.locator(f'#gen-status .ls-job[data-job="{long["id"]}"]')).to_have_attribute("data-status",
-                                                                                           "running")
-    expect(other.locator(f'#gen-status .ls-job[data-job="{short["id"]}"]')).to_be_visible()
-    other.close()
+    # a long job, held running by the step gate (cancelled over HTTP once the test has seen what it
+    # needs), and a short one queued behind it
+    with app.gate.held(1):
+        fill(page, "prompt", "a long one")
+        fill(page, "field-num_inference_steps", 1000)
+        fill(page, "field-height", 256)
+        fill(page, "field-width", 256)
+        page.locator("#generate-btn").click()
+        fill(page, "prompt", "a lighthouse at dusk")
+        fill(page, "field-num_inference_steps", 2)
+        fill(page, "field-height", 64)
+        fill(page, "field-width", 64)
+        page.locator("#generate-btn").click()
+        long = wait_for("the long job to run", lambda: next((j for j in jobs_shown(page)
+                                                             if j["status"] == "running" and j["step"] >= 1), None))
+        short = wait_for("the short job queued", lambda: next((j for j in jobs_shown(page)
+                                                               if j["status"] == "queued"), None))
+        # progress people can read: elapsed and ETA, the queue position, the step in the page title
+        expect(page.locator("#gen-status")).to_contain_text("elapsed")
+        expect(page.locator("#gen-status")).to_contain_text("position 1 in the queue")
+        wait_for("the title to show progress", lambda: page.title().startswith("["))
+        # a live preview of the running job's latents, refreshed as it goes (about once a second): the
+        # gate lets the job on a step at a time until one shows, then until a later one does
+        live = page.locator(f'#gen-status .ls-job[data-job="{long["id"]}"] img.ls-live')
+        app.gate.step_until(lambda: live.count() and live.is_visible(), "a live preview shows")
+        first_step = int(live.get_attribute("data-step"))
+        assert live.get_attribute("src").startswith("data:image/png;base64,")
+        app.gate.step_until(lambda: int(live.get_attribute("data-step") or 0) > first_step, "a later preview")
+        assert page.locator(f'#gen-status .ls-job[data-job="{short["id"]}"] img.ls-live').count() == 0  # queued
+        # the same over HTTP: a small PNG and its step; 204 for the queued job, 404 for no job
+        resp = httpx.get(app.url + f"v1/jobs/{long['id']}/preview", timeout=30)
+        assert resp.status_code == 200 and resp.headers["content-type"] == "image/png", resp.text[:200]
+        assert int(resp.headers["x-preview-step"]) >= 1
+        with Image.open(io.BytesIO(resp.content)) as img:
+            assert max(img.size) == 128 and img.mode == "RGB"
+        assert httpx.get(app.url + f"v1/jobs/{short['id']}/preview", timeout=30).status_code == 204
+        missing = httpx.get(app.url + "v1/jobs/no-such-job/preview", timeout=30)
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "job_id", missing.text
+        other = open_page(browser, app)  # a second tab sees the same jobs, with their progress
+        expect(other.locator(f'#gen-status .ls-job[data-job="{long["id"]}"]')).to_have_attribute("data-status",
+                                                                                               "running")
+        expect(other.locator(f'#gen-status .ls-job[data-job="{short["id"]}"]')).to_be_visible()
+        other.close()
 
-    page.reload()
-    page.wait_for_selector("#prompt textarea")
-    expect(page.locator(f'#gen-status .ls-job[data-job="{long["id"]}"]')).to_be_visible()  # re-attached ...
-    attached = page.locator(f'#gen-status .ls-job[data-job="{short["id"]}"]')
-    expect(attached).to_be_visible()
-    assert job(app, long["id"])["status"] == "running"  # ... and nothing was cancelled by the reload
-    assert job(app, short["id"])["status"] == "queued"
-    httpx.delete(app.url + f"v1/jobs/{long['id']}", timeout=30)
+        page.reload()
+        page.wait_for_selector("#prompt textarea")
+        expect(page.locator(f'#gen-status .ls-job[data-job="{long["id"]}"]')).to_be_visible()  # re-attached ...
+        attached = page.locator(f'#gen-status .ls-job[data-job="{short["id"]}"]')
+        expect(attached).to_be_visible()
+        assert job(app, long["id"])["status"] == "running"  # ... and nothing was cancelled by the reload
+        assert job(app, short["id"])["status"] == "queued"
+        httpx.delete(app.url + f"v1/jobs/{long['id']}", timeout=30)
+        wait_for("the long job cancelled", lambda: job(app, long["id"])["status"] == "cancelled")
     expect(attached).to_have_attribute("data-status", "succeeded")
     page.locator("#result-image img").wait_for()
     expect(page.locator("#result-metadata")).to_contain_text("a lighthouse at dusk")
@@ -100,30 +103,31 @@ def test_reload_reattaches_and_the_job_finishes(browser, page, app):  # noqa: F8
 def test_each_click_queues_a_job_and_batches_count_seeds(page, app):  # noqa: F811
     before = {j["id"] for j in all_jobs(app)}
     fill(page, "prompt", "three quick clicks")
-    # long enough that none of the five ends before the page is checked: a new click drops the finished
-    # jobs of earlier clicks from the list, so a short first job made "five on the page" a race
-    fill(page, "field-num_inference_steps", 1000)
+    # the step gate holds the first job running, so none of the five ends before the page is checked (a
+    # new click drops the finished jobs of earlier clicks from the list)
+    fill(page, "field-num_inference_steps", 4)
     fill(page, "seed", 100)
-    button = page.locator("#generate-btn")
-    for _ in range(3):
-        button.click()
-    new = wait_for("three jobs", lambda: [j for j in all_jobs(app) if j["id"] not in before
-                                          and j["kind"] == "generate"] if len(
-        [j for j in all_jobs(app) if j["id"] not in before]) >= 3 else None, timeout=30)
-    assert len(new) == 3, new
-    wait_for("three jobs on the page", lambda: len(jobs_shown(page)) == 3)
-    expect(page.locator("#gen-status")).to_contain_text("position")  # queued ones show where they are
-    expect(page.locator("#gen-note")).to_contain_text("queued job")
+    with app.gate.held(1):
+        button = page.locator("#generate-btn")
+        for _ in range(3):
+            button.click()
+        new = wait_for("three jobs", lambda: [j for j in all_jobs(app) if j["id"] not in before
+                                              and j["kind"] == "generate"] if len(
+            [j for j in all_jobs(app) if j["id"] not in before]) >= 3 else None, timeout=30)
+        assert len(new) == 3, new
+        wait_for("three jobs on the page", lambda: len(jobs_shown(page)) == 3)
+        expect(page.locator("#gen-status")).to_contain_text("position")  # queued ones show where they are
+        expect(page.locator("#gen-note")).to_contain_text("queued job")
 
-    fill(page, "batch-count", 2)
-    button.click()
-    batch = wait_for("a batch of two", lambda: (lambda js: js if len(js) == 2 else None)(
-        [j for j in all_jobs(app) if j["id"] not in before and j["id"] not in {n["id"] for n in new}]), timeout=30)
-    assert sorted(j["params"]["seed"] for j in batch) == [100, 101]
-    wait_for("five jobs on the page", lambda: len(jobs_shown(page)) == 5)
-    page.locator("#cancel-btn").click()  # cancels every job this page follows
-    wait_for("all cancelled", lambda: all(job(app, j["id"])["status"] in ("cancelled", "succeeded")
-                                          for j in new + batch), timeout=60)
+        fill(page, "batch-count", 2)
+        button.click()
+        batch = wait_for("a batch of two", lambda: (lambda js: js if len(js) == 2 else None)(
+            [j for j in all_jobs(app) if j["id"] not in before and j["id"] not in {n["id"] for n in new}]), timeout=30)
+        assert sorted(j["params"]["seed"] for j in batch) == [100, 101]
+        wait_for("five jobs on the page", lambda: len(jobs_shown(page)) == 5)
+        page.locator("#cancel-btn").click()  # cancels every job this page follows
+        wait_for("all cancelled", lambda: all(job(app, j["id"])["status"] in ("cancelled", "succeeded")
+                                              for j in new + batch), timeout=60)
     fill(page, "batch-count", 1)
 
 
@@ -213,17 +217,16 @@ def test_typed_weights_are_applied_as_shown(page, app, typed):  # noqa: F811
     page.get_by_role("option", name="pin-me").first.click()
     page.locator("#adapter-add").click()
     fill(page, "stack-scale-0", typed)
-    time.sleep(0.5)  # the slider settles (beyond -4..4 it shows the bound it keeps)
-    shown = float(page.locator("#stack-scale-0 input[type=number]").input_value())
-    # within the slider's -4..4 a typed weight is kept; beyond it the slider shows its bound, 4
-    assert shown == (float(typed) if abs(float(typed)) <= 4 else 4.0), (typed, shown)
+    # within the slider's -4..4 a typed weight is kept; beyond it the slider settles on its bound, 4
+    box, want = page.locator("#stack-scale-0 input[type=number]"), float(typed) if abs(float(typed)) <= 4 else 4.0
+    wait_for(f"the weight box to show {want}", lambda: float(box.input_value() or "nan") == want, timeout=30)
     fill(page, "prompt", f"weight {typed}")
     fill(page, "field-num_inference_steps", 2)
     page.locator("#generate-btn").click()
     expect(page.locator("#result-metadata")).to_contain_text(f"weight {typed}")
     done = [j for j in all_jobs(app) if (j.get("params") or {}).get("prompt") == f"weight {typed}"]
     assert done and done[0]["status"] == "succeeded", done
-    assert done[0]["adapters"][0]["scale"] == shown, (typed, shown, done[0]["adapters"])
+    assert done[0]["adapters"][0]["scale"] == want, (typed, want, done[0]["adapters"])
     page.locator("#stack-remove-0").click()
 
 
@@ -307,14 +310,15 @@ def test_delete_asks_first_and_keys_generate_and_cancel(page, app, lora_files): 
     assert not path.exists()
 
     page.get_by_role("tab", name="Generate").click()
-    fill(page, "field-num_inference_steps", 1000)
-    fill(page, "field-height", 256)
-    fill(page, "field-width", 256)
+    fill(page, "field-num_inference_steps", 4)
+    fill(page, "field-height", 64)
+    fill(page, "field-width", 64)
     before = {j["id"] for j in all_jobs(app)}
-    page.locator("#prompt textarea").fill("by keyboard")
-    page.locator("#prompt textarea").press("Control+Enter")
-    new = wait_for("Ctrl+Enter to queue a job", lambda: [j for j in all_jobs(app) if j["id"] not in before],
-                   timeout=30)
-    expect(page.locator(f'#gen-status .ls-job[data-job="{new[0]["id"]}"]')).to_be_visible()
-    page.keyboard.press("Escape")
-    wait_for("Esc to cancel it", lambda: job(app, new[0]["id"])["status"] == "cancelled", timeout=30)
+    with app.gate.held(1):  # running until Esc cancels it
+        page.locator("#prompt textarea").fill("by keyboard")
+        page.locator("#prompt textarea").press("Control+Enter")
+        new = wait_for("Ctrl+Enter to queue a job", lambda: [j for j in all_jobs(app) if j["id"] not in before],
+                       timeout=30)
+        expect(page.locator(f'#gen-status .ls-job[data-job="{new[0]["id"]}"]')).to_be_visible()
+        page.keyboard.press("Escape")
+        wait_for("Esc to cancel it", lambda: job(app, new[0]["id"])["status"] == "cancelled", timeout=30)

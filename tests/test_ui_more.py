@@ -265,13 +265,14 @@ def test_a_finished_job_changes_the_title_and_notifies(browser, app):  # noqa: F
         expect(page.locator("#fused-badge .ls-badge")).to_be_visible()
         assert page.evaluate("Notification.permission") == "granted"
         fill(page, "prompt", "tell me when done")
-        fill(page, "field-num_inference_steps", 30)
+        fill(page, "field-num_inference_steps", 3)
         fill(page, "field-height", 64)
         fill(page, "field-width", 64)
         before = {j["id"] for j in all_jobs(app)}
-        page.locator("#generate-btn").click()
-        job = wait_for("the job", lambda: next((j for j in all_jobs(app) if j["id"] not in before), None))
-        wait_for("the title to show progress", lambda: page.title().startswith("["))
+        with app.gate.held(1):  # the job stays running (at step 1) until the title has shown it
+            page.locator("#generate-btn").click()
+            job = wait_for("the job", lambda: next((j for j in all_jobs(app) if j["id"] not in before), None))
+            wait_for("the title to show progress", lambda: page.title().startswith("["))
         wait_for("the title to say done", lambda: page.title().startswith(f"✓ job {job['id']} done"))
         notified = page.evaluate("window.__notified")
         assert notified == [["LoRA Studio", f"job {job['id']} succeeded"]], notified

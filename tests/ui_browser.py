@@ -2,7 +2,8 @@
 (Playwright over Debian's Chromium, headless, against the module's ``python app.py serve``).
 
 ``expect``'s timeout is process-wide in Playwright, so it is set here, once: each wait ends as soon as
-its answer shows, and a shared CI box can be slow (``LORA_STUDIO_UI_TIMEOUT_MS``, default 180 s).
+its answer shows, and a shared CI box can be slow (``LORA_STUDIO_UI_TIMEOUT_MS``, default 90 s: within
+the per-test limit of pytest.ini, so a wait that fails says what it waited for).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from ui_fixtures import ARTIFACTS, wait_until
 
 expect = playwright.expect
-TIMEOUT_MS = int(os.environ.get("LORA_STUDIO_UI_TIMEOUT_MS", "180000"))
+TIMEOUT_MS = int(os.environ.get("LORA_STUDIO_UI_TIMEOUT_MS", "90000"))
 expect.set_options(timeout=TIMEOUT_MS)
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -2,7 +2,8 @@
 
 The app is the product itself: ``python app.py serve`` (the Studio, its worker, the HTTP
 API and this UI on one port), on a free port. Set LORA_STUDIO_UI_URL to point the tests
-at an app that is already running instead (with its data directory in $LORA_STUDIO_HOME).
+at an app that is already running instead (with its data directory in $LORA_STUDIO_HOME, started
+with LORA_STUDIO_STEP_GATE=$LORA_STUDIO_HOME/step-gate for the tests that hold a job running).
 """
 from __future__ import annotations
 
@@ -51,11 +52,60 @@ def broken_adapter(out: Path) -> Path:
     return out
 
 
+class StepGate:
+    """A served app's step gate (backend/stepgate.py): ``hold(n)`` lets its jobs finish ``n`` steps and
+    then keeps them running there, ``release()`` lets them finish. A test that must see a job running
+    holds it by construction instead of hoping it is slow enough."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def hold(self, steps: int = 1) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(str(int(steps)))
+        os.replace(tmp, self.path)  # atomic: the worker never reads half a number
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def step_until(self, pred, what: str, timeout: float = 120.0, every: float = 0.25):
+        """Let held jobs on one step at a time, each ``every`` s, until ``pred()`` is truthy (returned):
+        for what comes with time rather than with a step, like a throttled live preview."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = pred()
+            if value:
+                return value
+            self.hold(int(self.path.read_text()) + 1 if self.path.exists() else 1)
+            time.sleep(every)
+        pytest.fail(f"timed out after {timeout:.0f}s stepping the held job until {what}")
+
+    @contextlib.contextmanager
+    def held(self, steps: int = 1):
+        """Hold jobs at ``steps`` for a ``with`` block; always released after (even when the test fails)."""
+        self.hold(steps)
+        try:
+            yield self
+        finally:
+            self.release()
+
+
+GATE_FILE = "step-gate"
+
+
+def step_gate_env(home: Path) -> dict:
+    """The environment that gives a served app under ``home`` its step gate (open until a test holds it)."""
+    from backend.stepgate import ENV
+
+    return {ENV: str(Path(home) / GATE_FILE)}
+
+
 class App:
     """The launched app: its URL and its data directory (library root: <data-dir>/adapters)."""
 
     def __init__(self, url: str, data_dir: Path):
         self.url, self.data_dir = url.rstrip("/") + "/", Path(data_dir)
+        self.gate = StepGate(self.data_dir / GATE_FILE)  # an app of its own: start_app gives it this gate
 
     def add_adapter(self, path: Path, name: str) -> None:
         target = self.data_dir / "adapters" / f"{name}{path.suffix}"
@@ -103,6 +153,7 @@ class ServedApp:
     def __init__(self, proc: subprocess.Popen, port: int, home: Path, log: Path):
         self.proc, self.port, self.home, self.log = proc, port, Path(home), log
         self.url = f"http://127.0.0.1:{port}"
+        self.gate = StepGate(Path(home) / GATE_FILE)
 
     def client(self, source: str = "127.0.0.1", **kw):
         """An httpx client talking from ``source`` (any 127.0.0.N: a per-address throttle sees each apart)."""
@@ -139,7 +190,8 @@ def start_app(home: Path, *flags: str, model: str = MODEL, env: dict | None = No
         proc = subprocess.Popen([sys.executable, "app.py", "serve", model, "--host", "127.0.0.1", "--port", str(port),
                                  "--data-dir", str(home), "--device", "cpu", *flags],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "LORA_STUDIO_HOME": str(home), **(env or {})}, **popen)
+                                env={**os.environ, "LORA_STUDIO_HOME": str(home), **step_gate_env(home),
+                                     **(env or {})}, **popen)
     served = ServedApp(proc, port, home, log)
     try:
         wait_until_up(proc, served.url + "/", log, paths=paths)

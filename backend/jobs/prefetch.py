@@ -119,14 +119,20 @@ class Prefetcher:
             engine = self.get_engine()
             if engine is None:
                 continue
-            started = time.perf_counter()
+            started, names = time.perf_counter(), []
             for adapters in hint.get("upcoming", []):
                 with self.busy:
                     round_ = prefetch(engine, requests_of(adapters), self.protect, self.stats)
+                if round_["read"]:
+                    names += [a["name"] for a in adapters]
                 if round_["bounded"]:
                     break
             self.stats["rounds"] += 1
-            self.stats["seconds"] = round(self.stats["seconds"] + time.perf_counter() - started, 4)
+            seconds = time.perf_counter() - started
+            self.stats["seconds"] = round(self.stats["seconds"] + seconds, 4)
+            if names:  # one line a round that read files (the log says what the queue's next jobs will find)
+                print(f"lora-studio worker: prefetched {', '.join(map(repr, names))} for queued jobs "
+                      f"in {seconds:.2f} s", file=sys.stderr, flush=True)
 
     def disk_reads(self) -> int:
         """Adapter files prefetch has read (taken with ``busy`` held, so the engine's count agrees)."""
