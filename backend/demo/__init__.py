@@ -110,8 +110,13 @@ def _write(demo: DemoModel, out: Path) -> None:
     from ..result import quiet_libraries
 
     quiet_libraries()
-    with torch.random.fork_rng(devices=[]):
-        pipe = demo.build()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: computed buffers (SD3's sin-cos pos_embed) round alike in every process
+    try:
+        with torch.random.fork_rng(devices=[]):
+            pipe = demo.build()
+    finally:
+        torch.set_num_threads(threads)
     pipe.save_pretrained(out, safe_serialization=True)
     (out / DEFAULTS_FILE).write_text(json.dumps(
         {"stands_in_for": demo.stands_in_for, "defaults": demo.sampling_defaults()}, indent=2, sort_keys=True))
