@@ -105,6 +105,9 @@ def build(studio, gen) -> None:
     for comp in (family, fits, sort):
         comp.input(show, inputs, outputs, api_visibility="private")
     query.change(show, inputs, outputs, api_visibility="private", trigger_mode="always_last")
+    # a change that lands while the previous one is still answered can be dropped (gradio-app/gradio#3876:
+    # the cards then keep the results of an older query); leaving the box shows the query it holds
+    query.blur(show, inputs, outputs, api_visibility="private", trigger_mode="always_last")
 
     def add(value, stack, model_id):
         name = str(value or "").split("\n", 1)[0]
