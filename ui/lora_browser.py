@@ -96,18 +96,21 @@ def build(studio, gen) -> None:
         return show(q, fam, only_fit, order)
 
     inputs, outputs = [query, family, fits, sort], [family, cards, seen]
-    panel.expand(show, inputs, outputs, api_visibility="private")
+    # Every event that draws the cards is in one queue, one at a time, in the order the page sent them:
+    # on their own they ran side by side, and a slower, older one (the box's last query, the timer's
+    # tick) could land after a newer one (the "fits" box) and draw the cards it asked for instead.
+    one = {"api_visibility": "private", "concurrency_id": "lora-cards", "concurrency_limit": 1}
+    panel.expand(show, inputs, outputs, **one)
     panel.expand(lambda: gr.Timer(active=True), None, timer, api_visibility="private", queue=False)
     panel.collapse(lambda: gr.Timer(active=False), None, timer, api_visibility="private", queue=False)
-    timer.tick(tick, [seen, *inputs], outputs, api_visibility="private", show_progress="hidden",
-               trigger_mode="always_last")
-    refresh.click(show, inputs, outputs, api_visibility="private")
+    timer.tick(tick, [seen, *inputs], outputs, show_progress="hidden", trigger_mode="always_last", **one)
+    refresh.click(show, inputs, outputs, **one)
     for comp in (family, fits, sort):
-        comp.input(show, inputs, outputs, api_visibility="private")
-    query.change(show, inputs, outputs, api_visibility="private", trigger_mode="always_last")
+        comp.input(show, inputs, outputs, **one)
+    query.change(show, inputs, outputs, trigger_mode="always_last", **one)
     # a change that lands while the previous one is still answered can be dropped (gradio-app/gradio#3876:
     # the cards then keep the results of an older query); leaving the box shows the query it holds
-    query.blur(show, inputs, outputs, api_visibility="private", trigger_mode="always_last")
+    query.blur(show, inputs, outputs, trigger_mode="always_last", **one)
 
     def add(value, stack, model_id):
         name = str(value or "").split("\n", 1)[0]
