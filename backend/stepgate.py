@@ -6,8 +6,8 @@ cannot rely on the job being slow enough: a 30-step 64x64 job can finish before 
 server passes its environment to its worker and to Ray replicas), every job reports each step and then,
 while the file exists and holds a number ``N`` with ``step >= N``, waits: the file says how many steps
 jobs may finish. The test writes ``1``, sees the job held at step 1, writes ``2`` to let one more step
-through, and removes the file to let everything finish. A cancelled job leaves the gate at once (its
-step callback then raises ``Cancelled``), and a gate left closed opens by itself after
+through, and removes the file to let everything finish. A cancelled job leaves the gate at once and
+stops at its next step as any cancelled job does, and a gate left closed opens by itself after
 ``HOLD_LIMIT_S`` with a warning, so a forgotten file slows a run but never hangs it.
 
 The runners call ``wait`` at the end of each step's callback, after its progress and live preview are
