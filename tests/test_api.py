@@ -103,6 +103,19 @@ def test_fields_top_level_or_in_extra_body(url):
     assert meta["seed"] == 42 and meta["params"]["num_inference_steps"] == 4
 
 
+def test_a_prompt_and_a_seed_alone_draw_what_is_asked(url):
+    """Only a prompt of the demo grammar and a seed: the model's defaults (steps, true CFG with its
+    empty-condition negative prompt) draw it, as the oracles read it."""
+    from oracles import read
+
+    r = httpx.post(f"{url}/v1/images/generations", timeout=60,
+                   json={"prompt": "a red digit 3 on a black background", "seed": 42}).json()
+    params = r["data"][0]["metadata"]["params"]
+    assert params["num_inference_steps"] == 20 and params["true_cfg_scale"] == 6.0, params
+    got = read(_png(r["data"][0]["b64_json"]))  # the digit is scored over a grid (tests/test_demo_trained.py)
+    assert (got.colour, got.background) == ("red", "black") and got.foreground > 0.05, got
+
+
 def test_n_images_use_consecutive_seeds(url):
     r = httpx.post(f"{url}/v1/images/generations", json={"prompt": "x", "n": 2, **FAST}, timeout=60).json()
     assert [d["metadata"]["seed"] for d in r["data"]] == [42, 43]

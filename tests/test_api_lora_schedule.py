@@ -55,7 +55,7 @@ def test_schedules_and_block_weights_run_and_are_recorded(served):
     r = served.post("/v1/images/generations", json={**FAST, "extra_body": {"lora": {
         "path": INK, "lora_scale": {"blocks": {"0-": 0.0}}}}}, timeout=180)
     assert np.array_equal(_pixels(r), base)
-    assert r.json()["data"][0]["metadata"]["adapters"][0]["scale_resolved"]["blocks"] == [0.0, 0.0]
+    assert r.json()["data"][0]["metadata"]["adapters"][0]["scale_resolved"]["blocks"] == [0.0] * 4
     r = _post(served, lora={"path": INK, "scale": {"start": 0.5, "end": 1.0}})
     assert r.json()["data"][0]["metadata"]["adapters"][0]["scale_resolved"]["per_step"][::3] == [0.5, 1.0]
     assert np.array_equal(_pixels(_post(served)), base)  # the base bits after all of them
@@ -83,9 +83,9 @@ def test_bad_forms_are_refused_by_name(served, scale, names):
 
 
 def test_forms_that_need_the_model_fail_their_job_by_name(served):
-    r = _post(served, lora={"path": INK, "scale": {"blocks": {"0": 1.0, "2-": 0.5}}})
+    r = _post(served, lora={"path": INK, "scale": {"blocks": {"0": 1.0, "4-": 0.5}}})
     assert r.status_code == 400, r.text
-    assert "range '2-' starts past the last block: transformer has 2 blocks (0-1)" in r.json()["error"]["message"]
+    assert "range '4-' starts past the last block: transformer has 4 blocks (0-3)" in r.json()["error"]["message"]
     r = _post(served, lora={"path": INK, "scale": [1, 0.9, 0.8, 0.7, 0.6]})
     assert r.status_code == 400 and "5 values but the request runs 4 steps" in r.json()["error"]["message"], r.text
     assert _post(served).status_code == 200

@@ -23,9 +23,9 @@ def test_listing_shows_fit_for_the_model(library, data_dir, tmp_path):
         assert name in rows, name
         assert rows[name]["fits"] is (spec.model == "demo:qwen-image"), (name, rows[name]["fit"])
         assert rows[name]["size_bytes"] > 0 and len(rows[name]["sha256"]) == 64
-    assert rows["qwen-image-ink-kohya"]["fit"].startswith("fits (transformer: 12 layers")
+    assert rows["qwen-image-ink-kohya"]["fit"].startswith("fits (transformer: 24 layers")
     # a foreign adapter's shapes are named, both sides
-    assert "adapter (8, 32) vs model (8, 48)" in rows["sd35-watercolor"]["fit"]
+    assert "adapter (8, 32) vs model (8, 128)" in rows["sd35-watercolor"]["fit"]
     assert "pickle" in rows["old"]["fit"] and rows["old"]["fits"] is False
     table = format_rows(list(rows.values()))
     assert table.splitlines()[0].split() == ["name", "format", "rank", "alpha", "size", "sha256", "fit"]

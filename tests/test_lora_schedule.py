@@ -162,7 +162,7 @@ def test_per_block_weights(library, managers):
     ones, meta = pixels(m, [(ink, {"blocks": {"0-": 1.0}})])
     assert np.array_equal(ones, full)
     assert meta["adapters"][0]["scale"] == {"blocks": {"0-": 1.0}}
-    assert meta["adapters"][0]["scale_resolved"]["blocks"] == [1.0, 1.0]
+    assert meta["adapters"][0]["scale_resolved"]["blocks"] == [1.0] * 4
     zeros, _ = pixels(m, [(ink, {"blocks": {"0-": 0.0}})])
     assert np.array_equal(zeros, base) and sums(m) == base_sums  # nothing written: every layer's weight is 0
     # block 0 only: a merge of block 0's layers alone (the plan leaves block 1 out), either mode
@@ -173,13 +173,13 @@ def test_per_block_weights(library, managers):
     assert np.abs(first - base).max() > 1 and np.abs(first - full).max() > 1
     # per-block weights with a schedule: unfused, the block weight times the step's value
     both, meta = pixels(m, [(ink, {"scale": {"start": 1.0, "end": 0.0}, "blocks": {"1": 0.5}})])
-    assert meta["adapters"][0]["scale_resolved"] == {"steps": STEPS, "blocks": [1.0, 0.5],
+    assert meta["adapters"][0]["scale_resolved"] == {"steps": STEPS, "blocks": [1.0, 0.5, 1.0, 1.0],
                                                      "per_step": pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])}
     assert meta["adapters"][0]["mode"] == "unfused"
     # a range past the model's blocks, a list longer than the steps: refused by name
-    with pytest.raises(InvalidParameter, match=r"lora_scale\.blocks: range '2-' starts past the last block: "
-                                               r"transformer has 2 blocks \(0-1\)"):
-        engine.activate([(ink, {"blocks": {"0-1": 1.0, "2-": 0.5}})], steps=STEPS)
+    with pytest.raises(InvalidParameter, match=r"lora_scale\.blocks: range '4-' starts past the last block: "
+                                               r"transformer has 4 blocks \(0-3\)"):
+        engine.activate([(ink, {"blocks": {"0-3": 1.0, "4-": 0.5}})], steps=STEPS)
     with pytest.raises(InvalidParameter, match=r"lora_scale: 5 values but the request runs 4 steps"):
         engine.activate([(ink, [1, 1, 1, 1, 0.5])], steps=STEPS)
     with pytest.raises(InvalidParameter, match="named twice"):

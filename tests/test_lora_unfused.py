@@ -16,7 +16,9 @@ torch.set_num_threads(1)
 STEPS = 2
 # fp32: the two modes differ only by summation order; bf16: the merge rounds W0 + BA to bf16 once,
 # unfused rounds x@A, then (xA)@B in bf16: the images (uint8-range floats in [0, 1]) agree to these
-TOL = {torch.float32: 1e-5, torch.bfloat16: 0.03}  # measured: 5e-7 and 0.0098 (the adapters move it by 0.066)
+# measured on the trained demo:qwen-image: 5.6e-6 and 0.086, where the (random, amplitude 2) adapters move it by 0.86
+# (on the random demo: 5e-7 and 0.0098 of 0.066): bf16 rounding, relative to the change, is the same
+TOL = {torch.float32: 5e-5, torch.bfloat16: 0.12}
 
 
 # -- the policy, on numbers ---------------------------------------------------------------------------
@@ -93,7 +95,7 @@ def test_unfused_agrees_with_merged_and_writes_no_weight(dtype, library, manager
           f"max |merged - base| = {np.abs(merged - base).max():.3g}")
     assert np.abs(unfused - merged).max() <= TOL[dtype]  # ... the same way in both modes
     stats = m.lora_engine.stats()
-    assert stats["merged_layers"] == 0 and stats["unfused"]["hooked_layers"] == 12
+    assert stats["merged_layers"] == 0 and stats["unfused"]["hooked_layers"] == 24  # 4 blocks x 6
     # a single adapter, then back to base: base bits, no hooks left
     single, _ = image(m, [(a, 1.0)], "unfused")
     again, _ = image(m, [(a, 1.0)], "merge")

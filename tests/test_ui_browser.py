@@ -160,3 +160,32 @@ def test_every_tab_renders(page, tab):
     time.sleep(0.5)  # let the tab's refresh land
     assert page.locator(".ls-error").filter(has_text="unexpected").count() == 0
     shot(page, tab.lower())
+
+
+def test_the_placeholder_prompt_draws_what_it_says(browser, app):  # noqa: F811
+    """A new user types the prompt the box suggests and leaves every field blank (the model's
+    defaults): the picture shows it (read by the oracles)."""
+    import io
+    import re
+
+    import httpx
+    from PIL import Image
+
+    from oracles import asked, read
+
+    page = open_page(browser, app)
+    try:
+        hint = page.locator("#prompt textarea").get_attribute("placeholder")
+        want = asked(hint)  # the hint is a prompt of the demo grammar
+        page.locator("#prompt textarea").fill(hint)
+        page.locator("#generate-btn").click()
+        job = page.locator("#gen-status .ls-job")
+        wait_for("the job to succeed", lambda: job.count() and job.get_attribute("data-status") == "succeeded")
+        src = page.locator("#result-image img").get_attribute("src")
+        raw = httpx.get(src if re.match(r"https?://", src) else app.url + src.lstrip("/"), timeout=30).content
+        got = read(Image.open(io.BytesIO(raw)))
+        # colour and background on this one seed; the digit is scored over a grid (tests/test_demo_trained.py)
+        assert (got.colour, got.background) == (want["colour"], want["background"]) and got.foreground > 0.05, got
+        shot(page, "generate-placeholder-prompt")
+    finally:
+        page.close()

@@ -305,7 +305,7 @@ def build(studio) -> GenerateTab:
                 refresh = gr.Button("Refresh", scale=0, min_width=80, elem_id="models-refresh")
             t.mode = gr.Markdown(elem_id="mode")
             t.prompt = gr.Textbox(label="Prompt (prompt)", lines=3, elem_id="prompt",
-                                  placeholder="A piece of cheesecake on a plate")
+                                  placeholder="a red digit 3 on a black background")
             for w in WIDGETS:
                 if w.group in ("prompt", "inputs"):
                     t.widgets[w.name] = _widget(w)

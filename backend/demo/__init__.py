@@ -1,13 +1,16 @@
-"""Embedded demo models: tiny pipelines built offline from configs with seeded weights.
+"""Embedded demo models: tiny pipelines, trained here or built offline from configs with seeded weights.
 
 ``ensure(model_id)`` materializes a demo model once, in diffusers layout, under
 ``<data-dir>/models/``; from then on it is loaded by the pipeline class's own
-``from_pretrained`` like any checkpoint. Building is deterministic: the same id gives
-the same bytes on every machine (seeded weights, sorted tokenizer vocabularies,
-pinned library versions).
+``from_pretrained`` like any checkpoint. A trained model (``weights``) is copied from its
+tracked folder under ``backend/demo/weights/`` (``python -m backend.demo.train`` writes it);
+the others are built from seeded weights. Either way the same id gives the same bytes on
+every machine (seeded weights, sorted tokenizer vocabularies, pinned library versions).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import json
 import os
@@ -22,6 +25,7 @@ from .. import settings
 from ..errors import ModelNotFound
 from ..families import DEFAULT_MODEL  # noqa: F401 - defined once there; importers of backend.demo keep it
 
+WEIGHTS_ROOT = Path(__file__).parent / "weights"
 # Bump when a builder changes, so stale materializations are rebuilt.
 BUILD_VERSION = 1
 # Written next to model_index.json: sampling defaults sized for the model, read by the
@@ -36,9 +40,14 @@ class DemoModel:
     stands_in_for: str
     defaults: str  # "module:NAME" of the defaults dict
     revision: int = 0  # bump when this one builder changes: only this model is rebuilt (BUILD_VERSION: all)
+    weights: str | None = None  # a trained model: its folder under backend/demo/weights/ (builder: untrained)
 
     def build(self):
         return _resolve(self.builder)()
+
+    @property
+    def weights_dir(self) -> Path | None:
+        return WEIGHTS_ROOT / self.weights if self.weights else None
 
     def sampling_defaults(self) -> dict:
         return dict(_resolve(self.defaults))
@@ -50,7 +59,8 @@ def _resolve(ref: str):
 
 
 DEMO_MODELS: dict[str, DemoModel] = {m.id: m for m in [
-    DemoModel("demo:qwen-image", "qwen:build", "Qwen/Qwen-Image-2512", "qwen:DEFAULTS"),
+    # trained: python -m backend.demo.train qwen-image (DEMO-TRAINING.md); "architecture" is where training starts
+    DemoModel("demo:qwen-image", "qwen:architecture", "Qwen/Qwen-Image-2512", "qwen:DEFAULTS", weights="qwen-image"),
     DemoModel("demo:sd3.5", "sd3:build", "stabilityai/stable-diffusion-3.5-medium", "sd3:DEFAULTS"),
     DemoModel("demo:wan2.1-t2v", "wan:build_wan21_t2v", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan:DEFAULTS_T2V"),
     DemoModel("demo:wan2.2-t2v", "wan:build_wan22_t2v", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan:DEFAULTS_22"),
@@ -101,10 +111,41 @@ def _marker(demo: DemoModel) -> dict:
     marker = {"id": demo.id, "build_version": BUILD_VERSION}
     if demo.revision:  # absent at 0, so the markers of models never revised stay as they were
         marker["revision"] = demo.revision
+    if demo.weights:  # new weights (a retrained model) rebuild the materialized copy
+        marker["weights"] = _digest(demo.weights_dir)
     return marker
 
 
+def _digest(folder: Path) -> str:
+    """sha256 over a weights folder (names and contents); read again only when a file's stat changes."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    if not files:
+        raise ModelNotFound(f"the trained weights of this demo model are missing: {folder} is empty; "
+                            "run python -m backend.demo.train to write them", param="model")
+    return _digest_files(str(folder), tuple((p.relative_to(folder).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
+                                            for p in files))
+
+
+@functools.lru_cache(maxsize=16)
+def _digest_files(folder: str, files: tuple) -> str:
+    h = hashlib.sha256()
+    for rel, _, _ in files:
+        h.update(rel.encode() + b"\0")
+        h.update(hashlib.sha256((Path(folder) / rel).read_bytes()).digest())
+    return h.hexdigest()
+
+
 def _write(demo: DemoModel, out: Path) -> None:
+    if demo.weights:
+        shutil.copytree(demo.weights_dir, out, dirs_exist_ok=True)
+    else:
+        _build(demo, out)
+    (out / DEFAULTS_FILE).write_text(json.dumps(
+        {"stands_in_for": demo.stands_in_for, "defaults": demo.sampling_defaults()}, indent=2, sort_keys=True))
+    (out / ".demo-build").write_text(json.dumps(_marker(demo)))
+
+
+def _build(demo: DemoModel, out: Path) -> None:
     import torch  # heavy; only needed when building
 
     from ..result import quiet_libraries
@@ -118,6 +159,3 @@ def _write(demo: DemoModel, out: Path) -> None:
     finally:
         torch.set_num_threads(threads)
     pipe.save_pretrained(out, safe_serialization=True)
-    (out / DEFAULTS_FILE).write_text(json.dumps(
-        {"stands_in_for": demo.stands_in_for, "defaults": demo.sampling_defaults()}, indent=2, sort_keys=True))
-    (out / ".demo-build").write_text(json.dumps(_marker(demo)))

@@ -32,7 +32,7 @@ from filelock import FileLock
 
 from .. import settings
 
-VERSION = 4
+VERSION = 5  # 5: demo:qwen-image is the trained model (new shapes)
 MARKER = settings.DEMO_ADAPTERS_MARKER
 
 
@@ -146,7 +146,10 @@ def _denoiser(model: str, data_dir, component: str = "transformer"):
 
     path = demo.ensure(model, data_dir) / component
     cls_name = json.loads((path / "config.json").read_text())["_class_name"]
-    return getattr(diffusers, cls_name).from_pretrained(path)
+    import torch
+
+    # fp32 whatever the stored dtype (the trained demo weights ship in fp16): the adapters are made in fp32
+    return getattr(diffusers, cls_name).from_pretrained(path, torch_dtype=torch.float32)
 
 
 def _pipeline_cls(model: str, data_dir):

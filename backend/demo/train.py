@@ -1,0 +1,381 @@
+"""Train the demo models here, on this machine's CPU: ``python -m backend.demo.train STAGE``.
+
+Stages (``../shared/DEMO-TRAINING.md`` has the recipe and the measurements behind it):
+
+    qwen-image   the image base: its VAE first (until its reconstructions keep the colour),
+                 then the transformer and the tiny text encoder on that VAE's latents.
+
+Each run has a fixed seed, shows a progress bar, writes a checkpoint every few minutes under
+``<data-dir>/demo-train/<stage>/`` (never in git) and resumes from it when run again; the
+schedules count steps, so a run cut by ``--minutes`` and resumed ends where an uncut run would.
+When a stage finishes, its weights are written in fp16 safetensors, diffusers layout, to
+``backend/demo/weights/<model>/`` (or ``--out``), the folder ``demo:<model>`` is served from.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import settings
+from . import data
+
+WEIGHTS_ROOT = Path(__file__).parent / "weights"
+CHECKPOINT_EVERY_S = 180.0
+
+
+@dataclass
+class QwenPlan:
+    """Steps and sizes of one qwen-image training run (the defaults fit 30 minutes here)."""
+    vae_steps: int = 2600
+    vae_batch: int = 8
+    vae_lr: float = 1e-3
+    transformer_steps: int = 5200
+    latent_pool: int = 24000  # pictures encoded once for the transformer (see latent_pool)
+    transformer_batch: int = 32
+    transformer_lr: float = 1e-3
+    cond_dropout: float = 0.1  # the prompt replaced by the empty condition, so true CFG works
+    ema: float = 0.999
+    size: int = data.SIZE
+    seed: int = 0
+    uncond: str = " "  # the empty condition; the family's default negative prompt is the same " "
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 100, floor: float = 0.03) -> float:
+    """Linear warm-up, then cosine decay to ``floor * peak``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def to_tensor(images: np.ndarray) -> torch.Tensor:
+    """uint8 NxHxWx3 -> float N×3×1×H×W in [-1, 1] (the Qwen VAE takes one-frame videos)."""
+    x = torch.from_numpy(images).float().div(127.5).sub(1.0)
+    return x.permute(0, 3, 1, 2).unsqueeze(2)
+
+
+def _save(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load(path: Path):
+    return torch.load(path, weights_only=False) if path.exists() else None
+
+
+class Stage:
+    """A resumable loop: step counting, the progress bar, checkpoints and the time cap."""
+
+    def __init__(self, name: str, ckpt: Path, total: int, deadline: float):
+        self.name, self.ckpt, self.total, self.deadline = name, ckpt, total, deadline
+
+    def run(self, state: dict, step_fn, save_fn) -> bool:
+        """Run ``step_fn(step) -> loss`` until ``total``; True when the stage is done."""
+        from tqdm import tqdm
+
+        last_save = time.monotonic()
+        bar = tqdm(total=self.total, initial=state["step"], desc=self.name, dynamic_ncols=True,
+                   file=sys.stdout, mininterval=5.0)
+        avg = None
+        while state["step"] < self.total:
+            if time.monotonic() > self.deadline:
+                save_fn()
+                bar.close()
+                print(f"{self.name}: time is up at step {state['step']}/{self.total}; run again to resume")
+                return False
+            loss = step_fn(state["step"])
+            avg = loss if avg is None else 0.98 * avg + 0.02 * loss
+            state["step"] += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{avg:.4f}", refresh=False)
+            if time.monotonic() - last_save > CHECKPOINT_EVERY_S:
+                save_fn()
+                last_save = time.monotonic()
+        save_fn()
+        bar.close()
+        return True
+
+
+def _rng_state(rng: np.random.Generator) -> dict:
+    return {"numpy": rng.bit_generator.state, "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(rng: np.random.Generator, saved: dict) -> None:
+    rng.bit_generator.state = saved["numpy"]
+    torch.set_rng_state(saved["torch"])
+
+
+# ---------------------------------------------------------------- qwen-image: the VAE
+def _vae_loss(vae, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    posterior = vae.encode(x).latent_dist
+    rec = vae.decode(posterior.sample()).sample
+    weight = 1.0 + 4.0 * alpha[:, None, None]  # the strokes carry the colour: weigh them up
+    err = rec - x
+    kl = posterior.kl().mean()
+    return (weight * err.pow(2)).mean() + (weight * err.abs()).mean() + 1e-6 * kl
+
+
+def train_qwen_vae(plan: QwenPlan, work: Path, deadline: float):
+    from .qwen import vae as make_vae
+
+    ckpt = work / "vae.pt"
+    torch.manual_seed(plan.seed + 1)
+    vae = make_vae()
+    opt = torch.optim.AdamW(vae.parameters(), lr=plan.vae_lr, weight_decay=0.0)
+    rng = np.random.default_rng(plan.seed)
+    state = {"step": 0}
+    saved = _load(ckpt)
+    if saved is not None:
+        vae.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state["step"] = saved["step"]
+        _set_rng_state(rng, saved["rng"])
+        if state["step"] >= plan.vae_steps:
+            return vae.eval(), True
+        print(f"vae: resuming at step {state['step']}/{plan.vae_steps}")
+    vae.train()
+
+    def step(i: int) -> float:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i, plan.vae_steps, plan.vae_lr)
+        images, alphas, _ = data.batch(rng, plan.vae_batch, plan.size)
+        loss = _vae_loss(vae, to_tensor(images), torch.from_numpy(alphas))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        return float(loss.detach())
+
+    def save():
+        _save(ckpt, {"model": vae.state_dict(), "opt": opt.state_dict(), "step": state["step"],
+                     "rng": _rng_state(rng), "plan": asdict(plan)})
+
+    done = Stage("vae", ckpt, plan.vae_steps, deadline).run(state, step, save)
+    return vae.eval(), done
+
+
+@torch.no_grad()
+def vae_report(vae, n: int = 256, size: int = data.SIZE, seed: int = 12345) -> dict:
+    """How well the VAE keeps what the prompt names: PSNR, and the share of reconstructions whose
+    foreground (the known mask) is nearest the asked palette colour. Also the latent statistics
+    that normalise the transformer's latents (the VAE config's ``latents_mean``/``latents_std``)."""
+    rng = np.random.default_rng(seed)
+    images, alphas, prompts = data.batch(rng, n, size)
+    x = to_tensor(images)
+    recs, zs = [], []
+    for i in range(0, n, 32):
+        z = vae.encode(x[i:i + 32]).latent_dist.mode()
+        zs.append(z)
+        recs.append(vae.decode(z).sample)
+    rec = torch.cat(recs).clamp(-1, 1)
+    z = torch.cat(zs)
+    mse = (rec - x).pow(2).mean().item()
+    pixels = ((rec[:, :, 0].permute(0, 2, 3, 1) + 1) * 127.5).numpy()
+    names = list(data.PALETTE)
+    palette = np.array([data.PALETTE[c] for c in names], np.float32)
+    kept = 0
+    for img, alpha, prompt in zip(pixels, alphas, prompts):
+        fg = img[alpha > 0.9]
+        if len(fg) == 0:
+            continue
+        colour = names[int(np.argmin(((palette - np.median(fg, axis=0)) ** 2).sum(1)))]
+        kept += prompt.split()[1] == colour
+    return {"psnr_db": round(10 * math.log10(4.0 / mse), 2), "colour_kept": round(kept / n, 3),
+            "latents_mean": z.mean(dim=(0, 2, 3, 4)).tolist(), "latents_std": z.std(dim=(0, 2, 3, 4)).tolist()}
+
+
+# ---------------------------------------------------------------- qwen-image: transformer + text encoder
+def pack_latents(z: torch.Tensor) -> torch.Tensor:
+    """B×C×H×W latents -> B×(H/2·W/2)×4C tokens, 2x2 patches: how QwenImagePipeline packs them
+    (its ``_pack_latents``; tests/test_demo_trained.py checks the two agree)."""
+    b, c, h, w = z.shape
+    return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+@torch.no_grad()
+def latent_pool(plan: QwenPlan, work: Path, vae) -> tuple[torch.Tensor, list[str]]:
+    """The transformer's training set: ``latent_pool`` renders through the frozen VAE, once.
+
+    Encoding costs a third of a training step when done per step; encoded once (about a minute),
+    the same minutes give half as many steps again. Kept beside the checkpoints (fp16), so a
+    resumed run reads it back.
+    """
+    from tqdm import tqdm
+
+    path = work / "latents.pt"
+    saved = _load(path)
+    if saved is not None and saved["n"] == plan.latent_pool and saved["size"] == plan.size:
+        return saved["latents"], saved["prompts"]
+    rng = np.random.default_rng(plan.seed + 200)
+    latents, prompts = [], []
+    for _ in tqdm(range(0, plan.latent_pool, 64), desc="encoding the training pictures", file=sys.stdout,
+                  mininterval=5.0, dynamic_ncols=True):
+        images, _, names = data.batch(rng, 64, plan.size)
+        latents.append(vae.encode(to_tensor(images)).latent_dist.mode()[:, :, 0].half())
+        prompts += names
+    latents = torch.cat(latents)[:plan.latent_pool]
+    prompts = prompts[:plan.latent_pool]
+    _save(path, {"n": plan.latent_pool, "size": plan.size, "latents": latents, "prompts": prompts})
+    return latents, prompts
+
+
+def train_qwen_transformer(plan: QwenPlan, work: Path, vae, stats: dict, deadline: float):
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    from .qwen import SCHEDULER, text_encoder, transformer
+    from .tokenizers import qwen_grammar_tokenizer
+
+    ckpt = work / "transformer.pt"
+    tokenizer = qwen_grammar_tokenizer()
+    torch.manual_seed(plan.seed + 2)
+    tr = transformer()
+    torch.manual_seed(plan.seed + 3)
+    te = text_encoder(tokenizer)
+    pipe = QwenImagePipeline(transformer=tr, vae=vae, text_encoder=te, tokenizer=tokenizer,
+                             scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER))
+    params = [p for p in tr.parameters()] + [p for p in te.parameters()]
+    ema = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=plan.transformer_lr, weight_decay=0.01)
+    rng = np.random.default_rng(plan.seed + 100)
+    state = {"step": 0}
+    saved = _load(ckpt)
+    if saved is not None:
+        tr.load_state_dict(saved["transformer"])
+        te.load_state_dict(saved["text_encoder"])
+        opt.load_state_dict(saved["opt"])
+        for e, s in zip(ema, saved["ema"]):
+            e.copy_(s)
+        state["step"] = saved["step"]
+        _set_rng_state(rng, saved["rng"])
+        print(f"transformer: resuming at step {state['step']}/{plan.transformer_steps}")
+    mean = torch.tensor(stats["latents_mean"]).view(1, 4, 1, 1)
+    std = torch.tensor(stats["latents_std"]).view(1, 4, 1, 1)
+    lat = plan.size // 4
+    pool, pool_prompts = latent_pool(plan, work, vae)
+    tr.train()
+    te.train()
+
+    def step(i: int) -> float:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i, plan.transformer_steps, plan.transformer_lr, warmup=200)
+        pick = torch.from_numpy(rng.integers(0, len(pool_prompts), plan.transformer_batch))
+        prompts = [plan.uncond if rng.random() < plan.cond_dropout else pool_prompts[j] for j in pick.tolist()]
+        b = len(prompts)
+        z = (pool[pick].float() - mean) / std
+        x0 = pack_latents(z)
+        embeds, mask = pipe.encode_prompt(prompts, device=torch.device("cpu"))  # as the pipeline encodes them
+        sigma = torch.sigmoid(torch.randn(b)).view(b, 1, 1)
+        noise = torch.randn_like(x0)
+        xt = (1 - sigma) * x0 + sigma * noise
+        pred = tr(hidden_states=xt, timestep=sigma.view(b), encoder_hidden_states=embeds,
+                  encoder_hidden_states_mask=mask, img_shapes=[[(1, lat // 2, lat // 2)]] * b,
+                  return_dict=False)[0]
+        loss = F.mse_loss(pred, noise - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        with torch.no_grad():
+            decay = min(plan.ema, (1 + i) / (10 + i))
+            for e, p in zip(ema, params):
+                e.lerp_(p.detach(), 1 - decay)
+        return float(loss.detach())
+
+    def save():
+        _save(ckpt, {"transformer": tr.state_dict(), "text_encoder": te.state_dict(), "opt": opt.state_dict(),
+                     "ema": ema, "step": state["step"], "rng": _rng_state(rng), "plan": asdict(plan)})
+
+    done = Stage("transformer", ckpt, plan.transformer_steps, deadline).run(state, step, save)
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            p.copy_(e)
+    tr.eval()
+    te.eval()
+    return pipe, done
+
+
+def export_qwen(pipe, stats: dict, out: Path) -> Path:
+    """Write the trained pipeline in fp16 safetensors, diffusers layout, with the VAE's latent statistics."""
+    import shutil
+
+    from .qwen import vae as make_vae
+
+    vae = make_vae(stats["latents_mean"], stats["latents_std"])
+    vae.load_state_dict(pipe.vae.state_dict())
+    pipe.register_modules(vae=vae)
+    pipe.to(torch.float16)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    (tmp / "training.json").write_text(json.dumps(
+        {"vae": {k: stats[k] for k in ("psnr_db", "colour_kept")}, "plan": stats.get("plan")}, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    pipe.to(torch.float32)
+    return out
+
+
+def train_qwen_image(plan: QwenPlan, work: Path, out: Path, minutes: float) -> bool:
+    deadline = time.monotonic() + minutes * 60
+    work.mkdir(parents=True, exist_ok=True)
+    vae, done = train_qwen_vae(plan, work, deadline)
+    if not done:
+        return False
+    stats_file = work / "vae-report.json"
+    if stats_file.exists():
+        stats = json.loads(stats_file.read_text())
+    else:
+        stats = vae_report(vae, size=plan.size)
+        stats_file.write_text(json.dumps(stats, indent=2))
+    print(f"vae: {stats['psnr_db']} dB, keeps the asked colour in {stats['colour_kept']:.0%} of its reconstructions")
+    for p in vae.parameters():
+        p.requires_grad_(False)
+    pipe, done = train_qwen_transformer(plan, work, vae, stats, deadline)
+    if not done:
+        return False
+    stats["plan"] = asdict(plan)
+    export_qwen(pipe, stats, out)
+    print(f"wrote {out}")
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backend.demo.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=["qwen-image"])
+    parser.add_argument("--minutes", type=float, default=30.0, help="stop (with a checkpoint) after this long")
+    parser.add_argument("--data-dir", default=None, help="where checkpoints go (<data-dir>/demo-train/)")
+    parser.add_argument("--out", default=None, help="where the weights go (default backend/demo/weights/<model>)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a plan field, e.g. --set vae_steps=10 (for a quick trial)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    plan = QwenPlan()
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in QwenPlan.__dataclass_fields__:
+            parser.error(f"--set {item}: no plan field {key!r}; fields: {', '.join(QwenPlan.__dataclass_fields__)}")
+        setattr(plan, key, type(getattr(plan, key))(value))
+    work = settings.data_dir(args.data_dir) / "demo-train" / args.stage
+    out = Path(args.out) if args.out else WEIGHTS_ROOT / args.stage
+    from ..result import quiet_libraries
+
+    quiet_libraries()
+    return 0 if train_qwen_image(plan, work, out, args.minutes) else 3
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

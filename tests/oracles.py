@@ -1,0 +1,110 @@
+"""Oracles that read a demo picture: its background, foreground colour, digit and shape.
+
+Written apart from the training code (``backend.demo.train``), from the rules of
+DEMO-TRAINING.md, so a test can say whether a picture shows what its prompt asks. They take the
+palette from the prompt grammar (``backend.demo.data``: the contract's colours) and nothing else.
+
+- Background: the median of the border pixels; foreground: the pixels far from it.
+- Colour: the palette entry nearest the foreground's median.
+- Digit: an SVC fitted on ``load_digits`` here, applied to the foreground cropped to its box
+  (squared, so a thin 1 keeps its shape) and averaged down to 8x8.
+- Shape: the fill ratio of the foreground in its box (square ~1, circle ~0.79, triangle ~0.5).
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from backend.demo.data import BACKGROUNDS, PALETTE
+
+FAR = 80.0  # RGB distance from the background that counts as foreground
+
+
+@dataclass(frozen=True)
+class Reading:
+    background: str
+    colour: str | None
+    digit: int | None
+    shape: str | None
+    foreground: float  # share of pixels that are foreground
+
+
+def _nearest(table: dict, rgb) -> str:
+    names = list(table)
+    values = np.array([table[n] for n in names], np.float32)
+    return names[int(np.argmin(((values - np.asarray(rgb, np.float32)) ** 2).sum(1)))]
+
+
+@functools.lru_cache(maxsize=1)
+def _digit_classifier():
+    from sklearn.datasets import load_digits
+    from sklearn.svm import SVC
+
+    digits = load_digits()
+    return SVC(gamma=0.001, C=10.0).fit(digits.data, digits.target)
+
+
+def _to_8x8(weight: np.ndarray, box: tuple[int, int, int, int]) -> np.ndarray:
+    y0, y1, x0, x1 = box
+    side = max(y1 - y0, x1 - x0)  # a square box: a thin 1 keeps its shape (98% on clean renders)
+    cy, cx = (y0 + y1) / 2, (x0 + x1) / 2
+    h, w = weight.shape
+    pad = side
+    padded = np.pad(weight, pad)
+    top = int(round(cy - side / 2)) + pad
+    left = int(round(cx - side / 2)) + pad
+    crop = padded[top:top + side, left:left + side]
+    edges = np.linspace(0, side, 9).round().astype(int)
+    out = np.array([[crop[edges[i]:max(edges[i + 1], edges[i] + 1), edges[j]:max(edges[j + 1], edges[j] + 1)].mean()
+                     for j in range(8)] for i in range(8)])
+    return out / max(out.max(), 1e-6) * 16.0
+
+
+def read(image) -> Reading:
+    """Read one RGB picture (PIL image or HxWx3 array)."""
+    img = np.asarray(image.convert("RGB") if hasattr(image, "convert") else image, np.float32)
+    border = np.concatenate([img[:2].reshape(-1, 3), img[-2:].reshape(-1, 3),
+                             img[:, :2].reshape(-1, 3), img[:, -2:].reshape(-1, 3)])
+    bg = np.median(border, axis=0)
+    dist = np.sqrt(((img - bg) ** 2).sum(-1))
+    mask = dist > FAR
+    background = _nearest(BACKGROUNDS, bg)
+    share = float(mask.mean())
+    if mask.sum() < 12:
+        return Reading(background, None, None, None, share)
+    colour = _nearest(PALETTE, np.median(img[mask], axis=0))
+    ys, xs = np.nonzero(mask)
+    box = (ys.min(), ys.max() + 1, xs.min(), xs.max() + 1)
+    weight = np.clip(dist / max(np.percentile(dist[mask], 90), 1.0), 0, 1)
+    digit = int(_digit_classifier().predict(_to_8x8(weight, box).reshape(1, -1))[0])
+    fill = mask[box[0]:box[1], box[2]:box[3]].mean()
+    shape = "square" if fill > 0.9 else "circle" if fill > 0.64 else "triangle"
+    return Reading(background, colour, digit, shape, share)
+
+
+_PROMPT = re.compile(r"a (\w+) (?:digit (\d)|(circle|square|triangle)) on a (\w+) background")
+
+
+def asked(prompt: str) -> dict:
+    """What a grammar prompt asks for: colour, background and digit or shape."""
+    m = _PROMPT.fullmatch(prompt)
+    if m is None:
+        raise ValueError(f"not a prompt of the grammar: {prompt!r}")
+    return {"colour": m[1], "digit": int(m[2]) if m[2] else None, "shape": m[3], "background": m[4]}
+
+
+def score(pairs) -> dict:
+    """Shares of (prompt, image) pairs whose colour, background, digit, shape read as asked."""
+    hits = {"colour": [], "background": [], "digit": [], "shape": []}
+    for prompt, image in pairs:
+        want, got = asked(prompt), read(image)
+        hits["colour"].append(got.colour == want["colour"])
+        hits["background"].append(got.background == want["background"])
+        if want["digit"] is not None:
+            hits["digit"].append(got.digit == want["digit"])
+        else:
+            hits["shape"].append(got.shape == want["shape"])
+    return {k: (sum(v) / len(v) if v else None) for k, v in hits.items()}
