@@ -41,6 +41,7 @@ class QwenPlan:
     vae_lr: float = 1e-3
     transformer_steps: int = 5200
     latent_pool: int = 24000  # pictures encoded once for the transformer (see latent_pool)
+    report_pictures: int = 256  # held-out pictures the VAE is scored on before the transformer trains
     transformer_batch: int = 32
     transformer_lr: float = 1e-3
     cond_dropout: float = 0.1  # the prompt replaced by the empty condition, so true CFG works
@@ -230,18 +231,27 @@ def latent_pool(plan: QwenPlan, work: Path, vae) -> tuple[torch.Tensor, list[str
     return latents, prompts
 
 
-def train_qwen_transformer(plan: QwenPlan, work: Path, vae, stats: dict, deadline: float):
+def train_qwen_transformer(plan: QwenPlan, work: Path, vae, stats: dict, deadline: float, init: Path | None = None):
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     from .qwen import SCHEDULER, text_encoder, transformer
     from .tokenizers import qwen_grammar_tokenizer
 
     ckpt = work / "transformer.pt"
-    tokenizer = qwen_grammar_tokenizer()
-    torch.manual_seed(plan.seed + 2)
-    tr = transformer()
-    torch.manual_seed(plan.seed + 3)
-    te = text_encoder(tokenizer)
+    if init is not None:  # go on from written weights: their tokenizer, transformer and text encoder
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+        from diffusers import QwenImageTransformer2DModel
+
+        tokenizer = AutoTokenizer.from_pretrained(init / "tokenizer")
+        tr = QwenImageTransformer2DModel.from_pretrained(init / "transformer", torch_dtype=torch.float32)
+        te = Qwen2_5_VLForConditionalGeneration.from_pretrained(init / "text_encoder", dtype=torch.float32)
+        torch.manual_seed(plan.seed + 3)
+    else:
+        tokenizer = qwen_grammar_tokenizer()
+        torch.manual_seed(plan.seed + 2)
+        tr = transformer()
+        torch.manual_seed(plan.seed + 3)
+        te = text_encoder(tokenizer)
     pipe = QwenImagePipeline(transformer=tr, vae=vae, text_encoder=te, tokenizer=tokenizer,
                              scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER))
     params = [p for p in tr.parameters()] + [p for p in te.parameters()]
@@ -326,22 +336,35 @@ def export_qwen(pipe, stats: dict, out: Path) -> Path:
     return out
 
 
-def train_qwen_image(plan: QwenPlan, work: Path, out: Path, minutes: float) -> bool:
+def _written_vae(init: Path):
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage.from_pretrained(init / "vae", torch_dtype=torch.float32).eval()
+
+
+def train_qwen_image(plan: QwenPlan, work: Path, out: Path, minutes: float, init: Path | None = None) -> bool:
+    """Both stages; with ``init`` (written weights, e.g. the shipped ones) the VAE is taken from there and
+    the transformer and text encoder go on training from there, on a schedule of their own."""
     deadline = time.monotonic() + minutes * 60
     work.mkdir(parents=True, exist_ok=True)
-    vae, done = train_qwen_vae(plan, work, deadline)
+    if init is not None:
+        vae, done = _written_vae(init), True
+    else:
+        vae, done = train_qwen_vae(plan, work, deadline)
     if not done:
         return False
     stats_file = work / "vae-report.json"
     if stats_file.exists():
         stats = json.loads(stats_file.read_text())
     else:
-        stats = vae_report(vae, size=plan.size)
+        stats = vae_report(vae, n=plan.report_pictures, size=plan.size)
         stats_file.write_text(json.dumps(stats, indent=2))
+    if init is not None:  # the transformer learned on latents normalised by the written statistics
+        stats.update(latents_mean=list(vae.config.latents_mean), latents_std=list(vae.config.latents_std))
     print(f"vae: {stats['psnr_db']} dB, keeps the asked colour in {stats['colour_kept']:.0%} of its reconstructions")
     for p in vae.parameters():
         p.requires_grad_(False)
-    pipe, done = train_qwen_transformer(plan, work, vae, stats, deadline)
+    pipe, done = train_qwen_transformer(plan, work, vae, stats, deadline, init)
     if not done:
         return False
     stats["plan"] = asdict(plan)
@@ -358,6 +381,9 @@ def main(argv=None) -> int:
     parser.add_argument("--data-dir", default=None, help="where checkpoints go (<data-dir>/demo-train/)")
     parser.add_argument("--out", default=None, help="where the weights go (default backend/demo/weights/<model>)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--init-from", default=None, metavar="DIR",
+                        help="go on from written weights (e.g. backend/demo/weights/qwen-image): keep their VAE, "
+                             "train the transformer further (checkpoints under <data-dir>/demo-train/<stage>-continued)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a plan field, e.g. --set vae_steps=10 (for a quick trial)")
     args = parser.parse_args(argv)
@@ -369,12 +395,22 @@ def main(argv=None) -> int:
         if key not in QwenPlan.__dataclass_fields__:
             parser.error(f"--set {item}: no plan field {key!r}; fields: {', '.join(QwenPlan.__dataclass_fields__)}")
         setattr(plan, key, type(getattr(plan, key))(value))
-    work = settings.data_dir(args.data_dir) / "demo-train" / args.stage
+    init = Path(args.init_from).resolve() if args.init_from else None
+    if init is not None and not (init / "model_index.json").is_file():
+        parser.error(f"--init-from {args.init_from}: no model_index.json there (a diffusers folder is needed)")
+    work = settings.data_dir(args.data_dir) / "demo-train" / (args.stage + ("-continued" if init else ""))
     out = Path(args.out) if args.out else WEIGHTS_ROOT / args.stage
     from ..result import quiet_libraries
 
     quiet_libraries()
-    return 0 if train_qwen_image(plan, work, out, args.minutes) else 3
+    if init is not None and init == out.resolve():  # read them all before the export replaces the folder
+        import shutil
+        import tempfile
+
+        copy = Path(tempfile.mkdtemp(prefix="demo-init."))
+        shutil.copytree(init, copy, dirs_exist_ok=True)
+        init = copy
+    return 0 if train_qwen_image(plan, work, out, args.minutes, init) else 3
 
 
 if __name__ == "__main__":
