@@ -25,14 +25,20 @@ MODEL = "demo:qwen-image"
 SHORT = {"prompt": "short", "num_inference_steps": 1}
 # the largest job the default budget lets through (2048 x 2048 x 100 steps): minutes on CPU
 LONG = {"prompt": "long", "height": 2048, "width": 2048, "num_inference_steps": 100}
+HELD = {"prompt": "held", "num_inference_steps": 4}  # runs while the step gate holds it (limits_app.gate)
 
 
 @pytest.fixture(scope="module")
-def server(data_dir, demo_path, tmp_path_factory):
+def limits_app(data_dir, demo_path, tmp_path_factory):
     demo_path(MODEL)
     with served_app(app_home(data_dir, tmp_path_factory, "limits"), "--max-queue", "120", paths=("health", ""),
                     env={"OMP_NUM_THREADS": "1"}) as served:
-        yield served.url, served.home
+        yield served
+
+
+@pytest.fixture(scope="module")
+def server(limits_app):
+    return limits_app.url, limits_app.home
 
 
 def _jobs(url) -> list[dict]:
@@ -78,11 +84,18 @@ def _generate_inputs(prompt: str, *, model=None, steps=1) -> list:
 
 # -- 14.8: waiting holds no thread; the queue bound answers 429 --------------------------------------------
 @pytest.mark.slow  # a load run: 140 requests against one server, with latency bounds
-def test_waiting_requests_hold_no_thread_and_the_queue_bound_answers_429(server):
-    """60 /v1 generations and 30 UI /generate calls wait behind one long job: /health, /v1/jobs,
+def test_waiting_requests_hold_no_thread_and_the_queue_bound_answers_429(server, limits_app):
+    """60 /v1 generations and 30 UI /generate calls wait behind one running job: /health, /v1/jobs,
     /metrics, a Gradio call and cancel still answer at once, and past --max-queue (120) it is 429.
-    (Gradio itself runs at most 40 events at once, so 30 UI calls leave it room for the others.)"""
+    (Gradio itself runs at most 40 events at once, so 30 UI calls leave it room for the others.)
+    The running job is held at its first step by the step gate, so it runs as long as the test needs
+    and stops as soon as it is cancelled (a 2048x2048 job, used before, ran minutes past its cancel)."""
     url, _ = server
+    with limits_app.gate.held(1):
+        _waiting_requests_hold_no_thread(url)
+
+
+def _waiting_requests_hold_no_thread(url):
     client = httpx.Client(timeout=15)
     results: list = []
 
@@ -93,11 +106,11 @@ def test_waiting_requests_hold_no_thread_and_the_queue_bound_answers_429(server)
         except httpx.HTTPError as exc:
             results.append(type(exc).__name__)
 
-    long = threading.Thread(target=lambda: httpx.post(f"{url}/v1/images/generations", json=LONG, timeout=600))
+    long = threading.Thread(target=lambda: httpx.post(f"{url}/v1/images/generations", json=HELD, timeout=600))
     long.start()
     waiters, extra = [], []
     try:
-        long_job = _running(url, LONG["prompt"])
+        long_job = _running(url, HELD["prompt"])
         waiters = [threading.Thread(target=wait_one, args=(i,)) for i in range(60)]
         for t in waiters:
             t.start()
