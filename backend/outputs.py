@@ -122,6 +122,20 @@ def write_exif_image(path, image, metadata: dict, suffix: str) -> None:
     image.convert("RGB").save(path, format=fmt, exif=exif.tobytes(), **opts)
 
 
+def exif_of(img):
+    """An opened image's EXIF from the bytes read with its header (JPEG APP1, WebP's EXIF chunk, a PNG
+    eXIf chunk before the pixels), without decoding a pixel. ``Image.getexif()`` on a PNG with no eXIf
+    chunk up front decodes the whole picture to look for one after the pixels: a 560 KB 12000x12000 PNG
+    cost 4.9 s and 535 MB of memory."""
+    from PIL import Image
+
+    exif = Image.Exif()
+    raw = img.info.get("exif")
+    if isinstance(raw, bytes) and raw:
+        exif.load(raw)
+    return exif
+
+
 def read_png_metadata(path) -> dict | None:
     """The metadata an image made here carries (PNG text chunk, or EXIF in a JPEG/WebP), or None."""
     from PIL import Image
@@ -129,7 +143,7 @@ def read_png_metadata(path) -> dict | None:
     with Image.open(path) as img:
         text = img.info.get(PNG_KEY)
         if not text:
-            exif = img.getexif()
+            exif = exif_of(img)
             text = exif.get(EXIF_DESCRIPTION)
             if not text:
                 comment = exif.get_ifd(EXIF_IFD).get(EXIF_USER_COMMENT)

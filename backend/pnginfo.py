@@ -17,26 +17,27 @@ import json
 import re
 from pathlib import PurePosixPath
 
-# A1111's own pattern for the "Steps: 20, Sampler: Euler a, ..." line (modules/infotext_utils.py)
-_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
+from .lora.prompt_tags import tidy
+
 _SIZE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
 _LORA = re.compile(r"<lora:([^:<>]+)(?::([^:<>]*))?(?::[^<>]*)?>", re.IGNORECASE)
 MAX_TEXT = 1 << 20  # ignore absurdly large chunks
+MAX_SETTINGS = 512  # "Key: value" pairs read from A1111's settings line (it writes a few dozen)
 
 
 def read_info(path) -> dict | None:
     """The settings an image carries (None when it carries none we can read)."""
     from PIL import Image
 
-    from .outputs import EXIF_IFD, EXIF_USER_COMMENT, read_png_metadata
+    from .outputs import EXIF_IFD, EXIF_USER_COMMENT, exif_of, read_png_metadata
 
     own = read_png_metadata(path)
     if own:
         return from_own(own)
-    with Image.open(path) as img:
+    with Image.open(path) as img:  # opening reads the chunks before the pixels; nothing is decoded
         info = dict(img.info)
         try:
-            comment = img.getexif().get_ifd(EXIF_IFD).get(EXIF_USER_COMMENT)
+            comment = exif_of(img).get_ifd(EXIF_IFD).get(EXIF_USER_COMMENT)
         except Exception:  # no or broken EXIF
             comment = None
     text = info.get("parameters")
@@ -90,10 +91,52 @@ def lora_tags(prompt: str) -> tuple[str, list[dict]]:
         except ValueError:
             scale = 1.0
         adapters.append({"name": m.group(1).strip(), "scale": scale})
-    text = _LORA.sub(" ", prompt or "")
-    text = re.sub(r"\s+([,.;])", r"\1", text)
-    text = re.sub(r"[ \t]{2,}", " ", text).strip().strip(",").strip()
-    return text, adapters
+    return tidy(_LORA.sub(" ", prompt or "")), adapters
+
+
+def _is_key_char(ch: str) -> bool:
+    return ch.isalnum() or ch in "_ -/"
+
+
+def settings_line(line: str) -> list[tuple[str, str]]:
+    """The ``Key: value`` pairs of A1111's settings line ("Steps: 20, Sampler: Euler a, Lora hashes:
+    "a: 1, b: 2", ...") in one pass: the same pairs as A1111's own pattern (modules/infotext_utils.py,
+    a key of word characters, spaces, ``-`` and ``/`` before a colon; a value up to the next comma, or a
+    double-quoted one with its commas), without a regex that backtracks. That pattern retries every
+    position of a line without a colon and takes time quadratic in its length: one 60,000-character
+    line held the server for 26 s. At most MAX_SETTINGS pairs."""
+    pairs: list[tuple[str, str]] = []
+    i, n = 0, len(line)
+    while i < n and len(pairs) < MAX_SETTINGS:
+        colon = line.find(":", i)
+        if colon < 0:
+            break
+        start = colon  # the key: the run of key characters just before the colon (scanned once)
+        while start > i and _is_key_char(line[start - 1]):
+            start -= 1
+        while start < colon and not (line[start].isalnum() or line[start] == "_"):
+            start += 1  # it starts with a word character
+        key = line[start:colon]
+        if len(key) < 2:  # no key here (A1111's takes two characters or more): look from the colon on
+            i = colon + 1
+            continue
+        j = colon + 1
+        while j < n and line[j].isspace():
+            j += 1
+        end = None
+        if j < n and line[j] == '"':  # a quoted value keeps its commas; \" and \\ are escapes
+            k = j + 1
+            while k < n and line[k] != '"':
+                k += 2 if line[k] == "\\" else 1
+            if j + 1 < k < n and (k + 1 == n or line[k + 1] == ","):
+                value, end = line[j:k + 1], k + 2
+        if end is None:
+            comma = line.find(",", j)
+            end = n + 1 if comma < 0 else comma + 1
+            value = line[j:end - 1]
+        pairs.append((key, value))
+        i = end
+    return pairs
 
 
 def parse_a1111(text: str) -> dict | None:
@@ -101,7 +144,7 @@ def parse_a1111(text: str) -> dict | None:
     lines = text.strip().split("\n")
     settings: dict[str, str] = {}
     last = lines[-1] if lines else ""
-    found = _PARAM.findall(last)
+    found = settings_line(last)
     if len(found) >= 3:
         settings = {k.strip(): v.strip() for k, v in found}
         lines = lines[:-1]

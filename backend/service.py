@@ -133,6 +133,15 @@ class Studio:
         if isinstance(params.get("prompt"), str) and "<lora:" in params["prompt"].lower():
             from .lora import prompt_tags  # <lora:NAME:WEIGHT> (A1111): into the stack, out of the text
 
+            # the bounds first, on the text as sent: its length, then its tags with the request's adapters
+            # against --max-adapters, before any tag is parsed or looked up (20,000 tags took a minute)
+            check_request(self.limits, None, {}, {"prompt": params["prompt"]}, None)
+            tags, listed = prompt_tags.count(params["prompt"]), len(adapters or [])
+            if tags + listed > self.limits.max_adapters:
+                raise InvalidParameter(
+                    f"'prompt' has {tags} <lora:> tags" + (f" and 'lora' lists {listed} adapters" if listed else "")
+                    + f"; this server takes at most {self.limits.max_adapters} adapters per request "
+                      "(--max-adapters)", param="prompt")
             text, tagged = prompt_tags.split(params["prompt"])
             for a in tagged:  # unknown names refused by name, before anything is queued
                 self.resolver.by_name(a["name"])

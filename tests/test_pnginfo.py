@@ -2,12 +2,24 @@
 API-format ``prompt`` and UI-format ``workflow`` graphs, and our own metadata."""
 from __future__ import annotations
 
+import functools
 import json
+import random
+import re
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
 
+import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from backend.pnginfo import parse_a1111, read_info
+from backend.pnginfo import MAX_TEXT, parse_a1111, read_info, settings_line
+
+ROOT = Path(__file__).resolve().parents[1]
 
 A1111 = ("masterpiece, a red fox in the snow <lora:ink-style:0.7>, detailed fur <lora:grain:1>\n"
          "Negative prompt: blurry, lowres\n"
@@ -125,3 +137,74 @@ def test_nothing_readable(tmp_path):
     assert read_info(png(tmp_path / "d.png", parameters="just a description")) is None
     assert read_info(png(tmp_path / "j.png", prompt="{not json")) is None
     assert read_info(png(tmp_path / "g.png", prompt={"1": {"class_type": "SaveImage", "inputs": {}}})) is None
+
+
+# -- hostile images (issue 25: one image froze the server) -------------------------------------------------
+# A1111's own pattern for its settings line (modules/infotext_utils.py): the reference settings_line keeps to
+A1111_PATTERN = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
+
+
+def test_the_settings_line_reads_what_a1111s_own_pattern_reads():
+    """settings_line is a one-pass scanner; on short lines (where the pattern is fast) it must find the same
+    pairs as A1111's pattern, quoted values with commas and escapes included."""
+    rng = random.Random(25)
+    lines = [A1111.splitlines()[-1], 'Steps: 20, x: y, "a": b, TI hashes: "emb: abc", Template: "a \\"q\\", b"']
+    lines += ["".join(rng.choice('ab :,"\\ -/_\t') for _ in range(rng.randint(0, 40))) for _ in range(5000)]
+    for line in lines:
+        want = [(k.strip(), v.strip()) for k, v in A1111_PATTERN.findall(line)]
+        assert [(k.strip(), v.strip()) for k, v in settings_line(line)] == want, line
+
+
+@pytest.mark.parametrize("tail", ["a" * 60_000, " " * 60_000 + ",", "ab: \"\\\", " * 6_000],
+                         ids=["no-colon", "blanks", "escaped-quotes"])
+def test_a_long_line_is_read_in_linear_time(tail):
+    """A 60,000-character last line held the server 26 s under the old pattern (quadratic, holding the GIL);
+    1 MiB (the largest text read) would have held it for hours. Now both take milliseconds."""
+    for size in (60_000, MAX_TEXT - 100):
+        text = "a fox , <lora:x:1>" + tail[:1] * 3 + "\nSteps: 3, Sampler: Euler a, Seed: 9, " + \
+            (tail * (size // len(tail) + 1))[:size]
+        start = time.perf_counter()
+        parsed = parse_a1111(text)
+        took = time.perf_counter() - start
+        assert took < 1.0, f"{size} characters took {took:.2f} s"
+        assert parsed["params"]["seed"] == 9 and parsed["params"]["prompt"].startswith("a fox")
+
+
+@functools.lru_cache(maxsize=1)
+def _black_pixels(side: int) -> bytes:
+    packer = zlib.compressobj(9)
+    row = b"\0" * (1 + 3 * side)  # filter byte + pixels
+    return b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+
+
+def huge_png(path, side: int = 12_000, **chunks) -> None:
+    """A side x side RGB PNG written chunk by chunk (all black: it compresses to a few hundred KB, but
+    decoding it takes side*side*3 bytes), with tEXt chunks before the pixels as A1111 writes them."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    body = _black_pixels(side)
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)))
+        for key, value in chunks.items():
+            f.write(chunk(b"tEXt", key.encode("latin-1") + b"\0" + value.encode("latin-1")))
+        f.write(chunk(b"IDAT", body) + chunk(b"IEND", b""))
+
+
+def test_png_info_reads_the_text_without_decoding_the_pixels(tmp_path):
+    """A 12000x12000 PNG of a few hundred KB cost 4.9 s and 535 MB per drop: the EXIF lookup decoded it.
+    Read in a process of its own, whose peak memory shows whether the 432 MB of pixels were decoded."""
+    plain, tagged = tmp_path / "huge.png", tmp_path / "huge-a1111.png"
+    huge_png(plain)
+    huge_png(tagged, parameters=A1111)
+    assert plain.stat().st_size < 2 << 20
+    script = ("import json, resource, sys, time; from backend.pnginfo import read_info; t = time.perf_counter(); "
+              "out = [(read_info(p) or {}).get('source') for p in sys.argv[1:]]; "
+              "print(json.dumps([out, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))")
+    r = subprocess.run([sys.executable, "-c", script, str(plain), str(tagged)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sources, took, peak_kib = json.loads(r.stdout)
+    assert sources == [None, "a1111"]
+    assert peak_kib < 150 * 1024, f"peak {peak_kib // 1024} MiB: the pixels were decoded"
+    assert took < 1.0, f"{took:.2f} s for two reads"

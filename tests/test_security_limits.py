@@ -186,6 +186,37 @@ def test_a_request_over_a_bound_is_a_400_naming_the_field_and_no_job(server, bod
     assert len(_jobs(url)) == before  # refused at submission: no failed row left behind
 
 
+# -- issue 25.2: <lora:> tags count against the limits before any is parsed or looked up ------------------
+TAG_CASES = [
+    ("<lora:tagged>, " * 2_500, "--max-prompt-chars"),  # 2,500 tags took 6.4 s, 20,000 a minute
+    ("<lora:tagged>" * 1_500, "--max-adapters"),  # within the prompt limit: 1,500 lookups, then a duplicate
+    ("a cat " + "<lora:tagged:0.5> " * 9, "--max-adapters"),
+]
+
+
+@pytest.mark.parametrize("prompt,flag", TAG_CASES, ids=["long", "many", "nine"])
+def test_prompt_tags_count_against_the_limits_before_any_lookup(server, demo_path, prompt, flag):
+    url, home = server
+    from ui_fixtures import make_lora
+
+    target = home / "adapters" / "tagged.safetensors"
+    if not target.exists():
+        make_lora(demo_path(MODEL), target)
+    before = len(_jobs(url))
+    start = time.perf_counter()
+    r = httpx.post(f"{url}/v1/images/generations", json={"prompt": prompt, "num_inference_steps": 1}, timeout=120)
+    took = time.perf_counter() - start
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and flag in err["message"], err
+    assert took < 2.0, f"refused after {took:.1f} s"
+    assert len(_jobs(url)) == before
+    # one tag of it is a request like any other
+    r = httpx.post(f"{url}/v1/images/generations", json={"prompt": "a cat <lora:tagged:0.5>",
+                                                          "num_inference_steps": 1}, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+
+
 # -- 14.12: user errors are JSON 4xx naming the field -----------------------------------------------------
 RAW_500_CASES = [
     ("/v1/images/generations", {"prompt": "x", "lora": {"path": "/tmp/a\u0000b"}}, "lora.path"),

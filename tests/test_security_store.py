@@ -97,3 +97,24 @@ def test_a_store_from_a_newer_version_is_refused(data_dir, tmp_path_factory):
     r = _start(home)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.count("\n") == 1 and str(db) in r.stderr and "schema version 99" in r.stderr, r.stderr
+
+
+def test_a_store_from_an_older_layout_gets_the_one_line_exit_and_is_not_relabelled(data_dir, tmp_path_factory):
+    """Issue 25.7: a store without a schema version whose jobs table lacks columns crashed the start with a
+    traceback (exit 1), after stamping it version 1."""
+    home = app_home(data_dir, tmp_path_factory, "older")
+    db = home / "jobs.sqlite"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, "
+                     "kind TEXT NOT NULL, status TEXT NOT NULL, params TEXT NOT NULL, created_at REAL NOT NULL)")
+        conn.execute("INSERT INTO jobs (id, kind, status, params, created_at) VALUES "
+                     "('oldjob000000', 'generate', 'queued', '{}', 0)")
+    r = _start(home)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert str(db) in r.stderr and "older" in r.stderr and "adapters" in r.stderr and "move it aside" in r.stderr
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 0
+        assert [r[1] for r in conn.execute("PRAGMA table_info(jobs)")] == \
+            ["seq", "id", "kind", "status", "params", "created_at"]
+        assert conn.execute("SELECT id FROM jobs").fetchall() == [("oldjob000000",)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -169,6 +171,36 @@ def finished_outputs(app, **match):  # noqa: F811
 
 def thumbs(page):
     return page.locator("#gallery .thumbnail-item")
+
+
+def test_a_hostile_png_dropped_on_png_info_never_stalls_the_server(page, app, tmp_path):  # noqa: F811
+    """Issue 25: an A1111 PNG whose settings line ends in 60,000 characters without a colon froze the whole
+    server for 26 s (a backtracking pattern, holding the GIL). Dropped now, its settings fill the fields
+    while /health, polled all along from another connection, never waits a second."""
+    hostile = info_png(tmp_path / "hostile.png", parameters=(
+        "a hostile fox\nSteps: 3, Sampler: Euler a, CFG scale: 5, Seed: 4321, Size: 64x64, Version: v1, "
+        + "a" * 60_000))
+    slowest, stop = [0.0], threading.Event()
+
+    def poll():
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                start = time.perf_counter()
+                assert client.get(app.url + "health").status_code == 200
+                slowest[0] = max(slowest[0], time.perf_counter() - start)
+                stop.wait(0.05)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        page.get_by_role("tab", name="Gallery").click()
+        page.locator("#gallery-drop input[type=file]").set_input_files(str(hostile))
+        expect(page.locator("#seed input")).to_have_value("4321")
+        expect(page.locator("#prompt textarea")).to_have_value("a hostile fox")
+    finally:
+        stop.set()
+        poller.join(60)
+    assert slowest[0] < 1.0, f"/health took {slowest[0]:.1f} s while the PNG was read"
 
 
 def test_gallery_captions_filters_pages_and_delete(page, app, lora_files):  # noqa: F811

@@ -65,6 +65,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
 """
+COLUMNS = tuple(line.split()[0] for line in SCHEMA.split("(", 1)[1].split(");", 1)[0].strip().splitlines())
 # PRAGMA user_version of the store this code writes; 0 is a store from before versioning (same table)
 SCHEMA_VERSION = 1
 JSON_COLUMNS = ("params", "adapters", "result", "error_detail")
@@ -443,6 +444,13 @@ def _open(path: Path) -> sqlite3.Connection:
             raise StoreError(f"the job store {path} has schema version {version}, which this LoRA Studio does not "
                              f"know (it reads versions up to {SCHEMA_VERSION}): run the LoRA Studio that wrote it, "
                              f"or {aside}", param="data_dir")
+        # a table from an older layout (columns missing) is refused as it is: never altered, never stamped
+        have = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+        missing = [c for c in COLUMNS if c not in have] if have else []
+        if missing:
+            raise StoreError(f"the job store {path} is from an older LoRA Studio (schema version {version}, its jobs "
+                             f"table has no {', '.join(missing)}), which this one cannot read; {aside}",
+                             param="data_dir")
         db.execute("PRAGMA journal_mode=WAL")
         # FULL: an accepted job survives a power cut, not only a process crash
         db.execute("PRAGMA synchronous=FULL")

@@ -14,6 +14,11 @@ from ..errors import InvalidParameter
 TAG = re.compile(r"<lora:([^<>]*)>", re.IGNORECASE)
 
 
+def count(prompt: str) -> int:
+    """How many tags the text holds, in one linear pass (what the limits check before any is parsed)."""
+    return prompt.lower().count("<lora:") if isinstance(prompt, str) else 0
+
+
 def split(prompt: str) -> tuple[str, list[dict]]:
     """(the prompt without its tags, [{"name", "scale"}] in the order written)."""
     if not isinstance(prompt, str) or "<lora:" not in prompt.lower():
@@ -35,10 +40,21 @@ def split(prompt: str) -> tuple[str, list[dict]]:
         if not math.isfinite(scale):
             raise InvalidParameter(f"prompt: the weight in {match.group(0)!r} is not finite", param="prompt")
         adapters.append({"name": name, "scale": scale})
-    text = TAG.sub(" ", prompt)
-    text = re.sub(r"\s+([,.;])", r"\1", text)  # "a cat , <lora:x>" -> "a cat,"
-    text = re.sub(r"[ \t]{2,}", " ", text).strip().strip(",").strip()
-    return text, adapters
+    return tidy(TAG.sub(" ", prompt)), adapters
+
+
+# Both patterns start a match only where a run of blanks starts (the look-behind), so each character is
+# looked at a bounded number of times: a bare ``\s+([,.;])`` retries every position of a long blank run
+# and takes time quadratic in it.
+_BLANKS_BEFORE_PUNCT = re.compile(r"(?<!\s)\s+([,.;])")
+_BLANK_RUN = re.compile(r"(?<![ \t])[ \t]{2,}")
+
+
+def tidy(text: str) -> str:
+    """A prompt with its tags taken out: no blanks before punctuation, single spaces, no stray commas
+    at the ends ("a cat , <lora:x>" -> "a cat"). Linear in the text."""
+    text = _BLANKS_BEFORE_PUNCT.sub(r"\1", text)
+    return _BLANK_RUN.sub(" ", text).strip().strip(",").strip()
 
 
 def merge(stack: list[dict] | None, tagged: list[dict]) -> list[dict]:
