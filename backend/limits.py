@@ -28,6 +28,29 @@ FALLBACK = {k: max(f[k] for f in FAMILY_LIMITS.values()) for k in ("max_side", "
 
 DEFAULT_PROMPT_CHARS = 20_000
 DEFAULT_ADAPTERS = 8
+
+# One budget for every plot (the Compare grid and the X/Y/Z plot): its cells, each a queued job, and the
+# pixels of the one picture they make. Under PIL's own limit (Image.MAX_IMAGE_PIXELS, 89.5 MP) so the app
+# can reopen what it wrote, and under the side a browser draws; cells are scaled down to fit.
+MAX_PLOT_CELLS = 64
+MAX_PLOT_PIXELS = 80_000_000
+MAX_PLOT_SIDE = 32_000
+
+
+def check_plot_cells(cells: int, param: str = "axes") -> None:
+    """Refuse a plot of more than MAX_PLOT_CELLS cells, before any cell is planned or queued."""
+    if cells > MAX_PLOT_CELLS:
+        raise InvalidParameter(f"the plot has {cells} cells; at most {MAX_PLOT_CELLS} (fewer values per axis)",
+                               param=param)
+
+
+def check_plot_size(width: int, height: int, param: str = "axes") -> None:
+    """Refuse a plot picture over MAX_PLOT_PIXELS or MAX_PLOT_SIDE (what is left when its cells are already
+    at their smallest: labels or cell shapes that no scale fits)."""
+    if width * height > MAX_PLOT_PIXELS or max(width, height) > MAX_PLOT_SIDE:
+        raise InvalidParameter(f"the plot would be {width}x{height} px ({width * height / 1e6:.0f} MP); at most "
+                               f"{MAX_PLOT_PIXELS / 1e6:.0f} MP and {MAX_PLOT_SIDE} px a side (fewer or shorter "
+                               f"labels, fewer values, or a less elongated size)", param=param)
 DEFAULT_JOB_TIMEOUT_S = 3600.0
 PROMPT_FIELDS = ("prompt", "negative_prompt")
 FLAG = {"max_side": "--max-side", "max_frames": "--max-frames", "max_work": "--max-work",

@@ -113,6 +113,23 @@ class Studio:
     def submit(self, kind: str, params: dict, adapters: list[dict] | None = None, preset: str | None = None,
                model: str | None = None) -> dict:
         """Queue a job; the returned dict is already a committed row. Raises StudioError subclasses."""
+        job = self.queue.submit_many([self._checked(kind, params, adapters, preset, model)])[0]
+        self.supervisor.wake()
+        return job
+
+    def submit_many(self, requests: list[dict]) -> list[dict]:
+        """Queue several jobs (each {"kind", "params", "adapters", "preset", "model"}, as ``submit`` takes
+        them) all or none: every one is checked first, then all are queued in one transaction, so a plot
+        or a grid never sits half in the queue (a bad cell, or too little room, queues nothing)."""
+        checked = [self._checked(r.get("kind", "generate"), r.get("params"), r.get("adapters"), r.get("preset"),
+                                 r.get("model")) for r in requests]
+        jobs = self.queue.submit_many(checked)
+        self.supervisor.wake()
+        return jobs
+
+    def _checked(self, kind: str, params: dict, adapters: list[dict] | None, preset: str | None,
+                 model: str | None) -> dict:
+        """One request checked and resolved into the queue's row fields; raises what ``submit`` raises."""
         if not isinstance(params, dict):
             raise InvalidParameter("params must be an object of generation fields", param="params")
         if adapters is not None and not isinstance(adapters, list):
@@ -152,10 +169,8 @@ class Studio:
                                    f"({self.current_preset() or 'none'}); apply it first", param="preset")
         params = self._check_params(params, model, adapters)
         resolved = [a.as_dict() for a in self.resolver.resolve(adapters)]
-        job = self.queue.submit(kind, model=model or self.current_model(), params=params, adapters=resolved,
-                                preset=self.current_preset())
-        self.supervisor.wake()
-        return job
+        return {"kind": kind, "model": model or self.current_model(), "params": params, "adapters": resolved,
+                "preset": self.current_preset()}
 
     def _check_params(self, params: dict, model: str | None, adapters: list | None = None) -> dict:
         """Reject what the loaded model's spec refuses now (an HTTP 400), before the job is queued."""

@@ -133,3 +133,23 @@ def test_progress_and_result_round_trip(tmp_path):
     got = q.wait(job, timeout=1)
     assert got["status"] == "failed" and got["error"] == "bad adapter" and got["error_detail"]["status"] == 400
     assert q.counts()["failed"] == 1
+
+
+def test_several_jobs_are_queued_all_or_none(tmp_path):
+    """Issue 25.3: a plot queued cell by cell filled the queue and stayed half queued when it ran out of room.
+    ``submit_many`` queues every job in one transaction, or none of them."""
+    from backend.errors import StudioError
+
+    q = _q(tmp_path, max_queue=5)
+    _submit(q, seed=0)
+    many = [{"kind": "generate", "model": "m", "params": {"prompt": "p", "seed": i}, "adapters": A, "preset": None}
+            for i in range(1, 6)]
+    with pytest.raises(QueueFull, match="these 5 jobs do not all fit"):
+        q.submit_many(many)  # 1 queued + 5 > 5
+    assert len(q.list(limit=100)) == 1
+    with pytest.raises(StudioError, match="unknown job kind"):
+        q.submit_many([*many[:2], {**many[2], "kind": "bogus"}])
+    assert len(q.list(limit=100)) == 1
+    jobs = q.submit_many(many[:4])
+    assert [j["params"]["seed"] for j in jobs] == [1, 2, 3, 4]
+    assert [j["queue_position"] for j in jobs] == [2, 3, 4, 5]

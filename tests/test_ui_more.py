@@ -203,6 +203,41 @@ def test_a_hostile_png_dropped_on_png_info_never_stalls_the_server(page, app, tm
     assert slowest[0] < 1.0, f"/health took {slowest[0]:.1f} s while the PNG was read"
 
 
+def test_plots_over_the_budget_are_refused_before_any_job(page, app, lora_files):  # noqa: F811
+    """Issue 25.3 and 25.5: a 20x20 Compare grid queued 400 jobs (the queue full for everyone else), and an
+    X/Y/Z plot of 64 cells at 2048x16 drew a 1,311,162 x 210 px PNG the app could not reopen. Both are
+    refused now, by name, with no job queued."""
+    app.add_adapter(lora_files["style"], "budget-style")
+    page.reload()
+    page.wait_for_selector("#prompt textarea")
+    before = {j["id"] for j in all_jobs(app)}
+
+    page.get_by_role("tab", name="Compare").click()
+    fill(page, "cmp-scales", ", ".join(str(i / 10) for i in range(20)))
+    page.get_by_label("seeds", exact=True).check()
+    fill(page, "cmp-seeds", ", ".join(str(i) for i in range(20)))
+    page.locator("#cmp-adapters input").click()
+    page.get_by_role("option", name="budget-style").first.click()
+    page.keyboard.press("Escape")
+    page.locator("#cmp-go").click()
+    expect(page.locator("#cmp-status .ls-error")).to_contain_text("400 cells; at most 64")
+
+    page.get_by_role("tab", name="Generate").click()
+    fill(page, "field-width", 2048)
+    fill(page, "field-height", 16)
+    page.get_by_role("tab", name="X/Y/Z plot").click()
+    choose(page, "xyz-x-kind", "Seed")
+    fill(page, "xyz-x-values", ", ".join(str(i) for i in range(64)))
+    choose(page, "xyz-y-kind", "(nothing)")
+    choose(page, "xyz-z-kind", "(nothing)")
+    page.locator("#xyz-go").click()
+    expect(page.locator("#xyz-status .ls-error")).to_contain_text("px a side")
+    assert [j for j in all_jobs(app) if j["id"] not in before] == []
+    page.get_by_role("tab", name="Generate").click()
+    fill(page, "field-width", 64)
+    fill(page, "field-height", 64)
+
+
 def test_gallery_captions_filters_pages_and_delete(page, app, lora_files):  # noqa: F811
     from pathlib import Path
 

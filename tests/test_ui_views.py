@@ -191,3 +191,34 @@ def test_lora_browser_cards_escape_and_filter():
     by_name = views.card_html({**other, "family": "Wan2.2", "family_source": "name"})
     assert "made for Wan2.2 (by its name)" in by_name
     assert "made for Wan2.2<" in views.card_html({**other, "family": "Wan2.2", "family_source": "metadata"})
+
+
+def test_a_plot_of_elongated_cells_stays_inside_the_budget_and_reopens(tmp_path):
+    """Issue 25.5: 64 cells at 2048x16 made a 1,311,162 x 210 px plot (275 MP), over PIL's own limit. The
+    cells are scaled to the budget now (their shape kept) and the saved plot opens again; cells no scale
+    fits are refused by size before a job is queued."""
+    import warnings
+
+    from backend.limits import MAX_PLOT_PIXELS, MAX_PLOT_SIDE
+    from ui.grid import compose_xyz, geometry
+
+    cell = Image.new("RGB", (2048, 16), "red")
+    blocks = [[[cell] * 8 for _ in range(8)]]
+    grid, layout = compose_xyz(blocks, [f"seed {i}" for i in range(8)], [f"steps {i}" for i in range(8)], [""],
+                               "steps \\ seed")
+    width, height = grid.size
+    assert width * height <= MAX_PLOT_PIXELS and max(grid.size) <= MAX_PLOT_SIDE, grid.size
+    cw, ch = layout["cell_box_size"]
+    assert abs(cw / ch - 128) < 128 * 0.05, (cw, ch)  # shape kept
+    grid.save(tmp_path / "plot.png")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # PIL's DecompressionBombWarning would be an error here
+        with Image.open(tmp_path / "plot.png") as again:
+            again.load()
+            assert again.size == grid.size
+    with pytest.raises(InvalidParameter, match="px a side"):
+        geometry(2048, 16, [f"seed {i}" for i in range(64)], [""], [""], "seed")
+    # a label of any length is cut: it never sets the picture's size
+    long = geometry(64, 64, ["x" * 20_000] * 8, ["y" * 20_000] * 8, [""], "c")
+    short = geometry(64, 64, ["x" * 59 + "…"] * 8, ["y" * 59 + "…"] * 8, [""], "c")
+    assert long["size"] == short["size"]

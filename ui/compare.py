@@ -10,13 +10,17 @@ from __future__ import annotations
 import gradio as gr
 
 from backend.errors import InvalidParameter
+from backend.limits import check_plot_cells
 
 from . import views
 from .fields import WIDGETS, clean_value
 from .follow import follow
 from .generate import GenerateTab, models_by_id
-from .grid import compose, first_frame, parse_numbers
+from .grid import cell_size, compose_xyz, first_frame, geometry, parse_numbers
 from .views import error_html, readable
+
+
+TITLES = {"adapters": "adapter \\ adapter weight", "seeds": "seed \\ adapter weight"}  # the grid's corner
 
 
 def plan(y_axis: str, scales: list[float], adapters: list[str], seeds: list[int], seed: int):
@@ -68,9 +72,15 @@ def build(studio, gen: GenerateTab) -> None:
             for w, v in zip(WIDGETS, values):
                 if w.name in m.fields and clean_value(w, v) is not None:
                     base[w.name] = clean_value(w, v)
+            check_plot_cells(len(xs) * (len(names) if axis == "adapters" else len(ys)))  # before any planning
             layout = plan(axis, xs, list(names), ys, int(seed if seed is not None else 0))
-            cells = [(r, c, studio.submit("generate", {**base, "seed": sd}, payload, None, model_id))
-                     for r, (_, row) in enumerate(layout) for c, (_, payload, sd) in enumerate(row)]
+            geometry(*cell_size(base, m.defaults), [x for x, _, _ in layout[0][1]], [y for y, _ in layout], [""],
+                     TITLES[axis])  # the picture fits the plot budget
+            # all queued before any is awaited, all or none (a refused cell or a full queue queues nothing)
+            places = [(r, c) for r, (_, row) in enumerate(layout) for c in range(len(row))]
+            jobs = studio.submit_many([{"kind": "generate", "params": {**base, "seed": sd}, "adapters": payload,
+                                        "model": model_id} for _, row in layout for _, payload, sd in row])
+            cells = [(r, c, job) for (r, c), job in zip(places, jobs)]
         except Exception as exc:
             yield error_html(readable(exc)), None
             return
@@ -91,8 +101,7 @@ def build(studio, gen: GenerateTab) -> None:
             else:
                 images[r][c] = "failed"
                 failed.append(f"job {job['id']}: {job.get('error') or job.get('status')}")
-        grid = compose(images, [x for x, _, _ in layout[0][1]], [y for y, _ in layout],
-                       "adapter weight", "adapter" if axis == "adapters" else "seed")
+        grid = compose_xyz([images], [x for x, _, _ in layout[0][1]], [y for y, _ in layout], [""], TITLES[axis])[0]
         done_note = f"{len(ids)} cells" + (f" ({len(cancelled)} cancelled: jobs {', '.join(cancelled)})"
                                            if cancelled else "")
         yield (error_html("; ".join(failed)) if failed else views.ok_html(done_note)), grid

@@ -574,22 +574,17 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
             payload = adapter_payload(stack, m.two_stage)
         except Exception as exc:  # a bad "weight over steps": refused by name, nothing queued
             return [error_html(readable(exc)), gr.update(), gr.update()]
-        queued = []
-        try:
-            for i in range(n):
-                # the server knows what it has fused (apply_preset); the job need not name it again
-                queued.append(studio.submit("generate", {**params, "seed": base_seed + i}, payload, None, model_id))
+        try:  # all n or none; the server knows what it has fused (apply_preset): the jobs need not name it
+            queued = studio.submit_many([{"kind": "generate", "params": {**params, "seed": base_seed + i},
+                                          "adapters": payload, "model": model_id} for i in range(n)])
         except Exception as exc:
-            if not queued:
-                return [error_html(readable(exc)), gr.update(), gr.update()]
-            note = error_html(f"queued {len(queued)} of {n} jobs, then: {readable(exc)}")
-        else:
-            first = queued[0]
-            where = (f"position {first['queue_position']} in the queue" if first.get("queue_position")
-                     else "starting")
-            ids = ", ".join(str(j["id"]) for j in queued)
-            note = ok_html(f"queued job{'s' if n > 1 else ''} {ids} (seed {base_seed}"
-                           f"{f'…{base_seed + n - 1}' if n > 1 else ''}) · {where}")
+            return [error_html(readable(exc)), gr.update(), gr.update()]
+        first = queued[0]
+        where = (f"position {first['queue_position']} in the queue" if first.get("queue_position")
+                 else "starting")
+        ids = ", ".join(str(j["id"]) for j in queued)
+        note = ok_html(f"queued job{'s' if n > 1 else ''} {ids} (seed {base_seed}"
+                       f"{f'…{base_seed + n - 1}' if n > 1 else ''}) · {where}")
         # a new click starts a new list: the finished jobs of earlier clicks leave it
         known = list(dict.fromkeys([*((watch or {}).get("ids") or []), *followed.get(_session(request))]))
         keep = [j for j in known if _active(studio, j)]

@@ -17,12 +17,13 @@ from html import escape
 import gradio as gr
 
 from backend.errors import InvalidParameter
+from backend.limits import check_plot_cells
 
 from . import views
 from .fields import WIDGETS, clean_value
 from .follow import follow
 from .generate import GenerateTab, adapter_payload, models_by_id
-from .grid import compose_xyz, first_frame
+from .grid import cell_size, compose_xyz, first_frame, geometry
 from .views import error_html, readable
 
 NOTHING = "(nothing)"
@@ -30,7 +31,6 @@ SEED, STEPS, GUIDANCE, PROMPT_SR = "Seed", "Steps", "Guidance", "Prompt S/R"
 STACK_SCALE, ADAPTER = "LoRA scale (whole stack)", "Adapter"
 WEIGHT = "Weight: "  # + an adapter's name in the current stack
 FIXED_KINDS = (NOTHING, SEED, STEPS, GUIDANCE, PROMPT_SR, STACK_SCALE, ADAPTER)
-MAX_CELLS = 64
 HINTS = {
     SEED: "seeds, e.g. 1, 2, 3 (-1: one random seed)",
     STEPS: "step counts, e.g. 4, 8, 16",
@@ -160,9 +160,7 @@ def plan(axes: tuple[Axis, Axis, Axis], params: dict, adapters: list[dict], fiel
         raise InvalidParameter("the Guidance axis: this model has no guidance field", param="axes")
     if STEPS in active and "num_inference_steps" not in fields:
         raise InvalidParameter("the Steps axis: this model has no num_inference_steps field", param="axes")
-    n = len(x.values) * len(y.values) * len(z.values)
-    if n > MAX_CELLS:
-        raise InvalidParameter(f"the plot has {n} cells; at most {MAX_CELLS} (fewer values per axis)", param="axes")
+    check_plot_cells(len(x.values) * len(y.values) * len(z.values))
     if params.get("seed") in (None, -1):  # one random seed for the whole plot, so cells compare
         params = {**params, "seed": random.randrange(2**31)}
     cells = []
@@ -222,9 +220,13 @@ def build(studio, gen: GenerateTab) -> None:
                 if w.name in m.fields and w.kind != "image" and clean_value(w, v) is not None:
                     params[w.name] = clean_value(w, v)
             cells = plan(axes, params, adapter_payload(stack or [], m.two_stage), m.fields)
-            jobs = []
-            for cell in cells:  # all queued before any is awaited
-                jobs.append(studio.submit("generate", cell["params"], cell["adapters"], None, model_id))
+            x, y, z = axes
+            corner = " \\ ".join(k for k in (y.kind, x.kind) if k != NOTHING)
+            geometry(*cell_size(params, m.defaults), x.labels, y.labels, z.labels, corner)  # the picture fits
+            # every cell queued before any is awaited, all or none: a cell refused, or too little room in
+            # the queue, queues nothing
+            jobs = studio.submit_many([{"kind": "generate", "params": c["params"], "adapters": c["adapters"],
+                                        "model": model_id} for c in cells])
         except Exception as exc:
             yield error_html(readable(exc)), None, None
             return
@@ -239,7 +241,6 @@ def build(studio, gen: GenerateTab) -> None:
                 step = f" · job {running['id']} step {prog.get('step') or 0}/{prog.get('total') or '?'}"
             yield (f'<div class="ls-job" data-done="{done}" data-total="{len(jobs)}">{done}/{len(jobs)} cells '
                    f'finished{step} (jobs {ids[0]}…{ids[-1]})</div>'), None, None
-        x, y, z = axes
         blocks = [[[None] * len(x.values) for _ in y.values] for _ in z.values]
         problems = []
         for cell, job in zip(cells, jobs):
@@ -252,7 +253,6 @@ def build(studio, gen: GenerateTab) -> None:
             else:
                 blocks[cell["z"]][cell["y"]][cell["x"]] = job.get("status") or "failed"
                 problems.append(f"job {job['id']}: {job.get('error') or job.get('status')}")
-        corner = " \\ ".join(k for k in (y.kind, x.kind) if k != NOTHING)
         grid, layout = compose_xyz(blocks, list(x.labels), list(y.labels), list(z.labels), corner)
         try:
             saved = studio.save_plot(grid, {"model": model_id, "prompt": prompt,

@@ -175,11 +175,13 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
             seed = fields.get("seed")
             if seed is not None and body.n > 1 and int(seed) == -1:  # -1: one random base, then +1 per image
                 seed = random.randrange(2**31)
+            requests = []
             for i in range(body.n):
                 params = dict(fields)
                 if seed is not None and body.n > 1:
                     params["seed"] = int(seed) + i
-                jobs.append(studio.submit("generate", params, adapters, None, model))
+                requests.append({"kind": "generate", "params": params, "adapters": adapters, "model": model})
+            jobs = studio.submit_many(requests)  # all n or none: a full queue never takes half a request
         except BaseException:
             if upload is not None and not jobs:
                 Path(upload).unlink(missing_ok=True)

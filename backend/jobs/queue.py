@@ -117,20 +117,31 @@ class JobQueue:
 
     def submit(self, kind: str, *, model: str | None, params: dict, adapters: list[dict] | None = None,
                preset: str | None = None) -> dict:
-        if kind not in KINDS:
-            raise StudioError(f"unknown job kind {kind!r}; one of {', '.join(sorted(KINDS))}", param="kind")
-        job_id = uuid.uuid4().hex[:16]
-        adapters = list(adapters or [])
+        return self.submit_many([{"kind": kind, "model": model, "params": params, "adapters": adapters,
+                                  "preset": preset}])[0]
+
+    def submit_many(self, jobs: list[dict]) -> list[dict]:
+        """Queue several jobs (each {"kind", "model", "params", "adapters", "preset"}) in one transaction:
+        all of them, in order, or none (QueueFull when they do not all fit under --max-queue)."""
+        rows = []
+        for job in jobs:
+            if job["kind"] not in KINDS:
+                raise StudioError(f"unknown job kind {job['kind']!r}; one of {', '.join(sorted(KINDS))}",
+                                  param="kind")
+            adapters = list(job.get("adapters") or [])
+            rows.append((uuid.uuid4().hex[:16], job["kind"], job.get("model"), json.dumps(job["params"]),
+                         json.dumps(adapters), job.get("preset"),
+                         group_key(job.get("model"), adapters, job.get("preset"))))
         with self._tx() as db:
             depth = db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued'").fetchone()[0]
-            if depth >= self.max_queue:
-                raise QueueFull(f"the job queue is full ({depth} queued, --max-queue {self.max_queue}); "
+            if depth + len(rows) > self.max_queue:
+                more = f"; these {len(rows)} jobs do not all fit" if len(rows) > 1 else ""
+                raise QueueFull(f"the job queue is full ({depth} queued, --max-queue {self.max_queue}{more}); "
                                 "retry later")
-            db.execute("INSERT INTO jobs (id, kind, status, model, params, adapters, preset, grp, created_at) "
-                       "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
-                       (job_id, kind, model, json.dumps(params), json.dumps(adapters), preset,
-                        group_key(model, adapters, preset), time.time()))
-        return self.get(job_id)
+            now = time.time()
+            db.executemany("INSERT INTO jobs (id, kind, status, model, params, adapters, preset, grp, created_at) "
+                           "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?)", [(*row, now) for row in rows])
+        return [self.get(row[0]) for row in rows]
 
     def claim(self, current_group: str | None) -> dict | None:
         """Mark the next job running (see the module docstring for the order) and return it.
