@@ -159,7 +159,7 @@ class _Worker:
         batched pipeline call when the cost model predicts it is faster, else one by one. Each job gets its
         own progress, result file, metadata (``batch``) and outcome message; a job cancelled mid-batch is
         reported cancelled at the next step and its sample dropped from the outputs (the others go on);
-        a failure of the batched call fails every job in it with that message."""
+        when the batched call fails, each member runs again alone (a bad member fails only itself)."""
         from backend.errors import Cancelled
 
         self._cancelled = set()
@@ -192,12 +192,21 @@ class _Worker:
                 if job_id not in reported:
                     self.conn.send(("cancelled", job_id, self.info()))
             return
-        except Exception as exc:  # the batched call failed: every job in it fails with the message
-            detail = self._failure(exc)
-            detail["message"] = f"the mixed-adapter batch of {len(ids)} jobs this job ran in failed: {detail['message']}"
-            for job_id in ids:
-                if job_id not in reported:
-                    self.conn.send(("failed", job_id, dict(detail), self.info()))
+        except Exception as exc:
+            # The batched call failed: which member caused it is unknown, and one client's request must not
+            # fail another's (nor its error name another client's adapter). Each live member runs again
+            # alone and gets its own outcome; the reason recorded says nothing of the others.
+            print(f"lora-studio worker: a mixed-adapter batch of {len(ids)} jobs failed "
+                  f"({getattr(exc, 'message', exc)}); each runs again alone", file=sys.stderr)
+            alone = {"mode": "sequential", "reason": f"the batched call of {len(ids)} jobs failed; each job ran "
+                                                     "alone"}
+            for job in jobs:
+                if job["id"] in reported:
+                    continue
+                if self._take_cancels(ids) and job["id"] in self._cancelled:
+                    self.conn.send(("cancelled", job["id"], self.info()))
+                    continue
+                self.run_job({**job, "batch_decision": alone}, cancel=_MemberCancel(self, [job["id"]]))
             return
         cancel()
         for job, result in zip(jobs, results):
