@@ -14,6 +14,7 @@ Every reader returns the same shape as a result's metadata restores into the Gen
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import PurePosixPath
 
@@ -61,9 +62,9 @@ def read_info(path) -> dict | None:
 
 
 def from_own(meta: dict) -> dict:
-    params = dict(meta.get("params") or {})
+    params = dict(_dict(meta.get("params")))
     params.setdefault("seed", meta.get("seed"))
-    adapters = [{"name": a.get("name"), "scale": a.get("scale", 1.0)} for a in meta.get("adapters") or []
+    adapters = [{"name": a.get("name"), "scale": a.get("scale", 1.0)} for a in _list(meta.get("adapters"))
                 if isinstance(a, dict) and a.get("name")]
     return {"source": "lora_studio", "model": meta.get("model"), "params": params, "adapters": adapters,
             "preset": meta.get("preset"), "extra": {}}
@@ -194,6 +195,18 @@ SAMPLERS = ("KSampler", "KSamplerAdvanced", "SamplerCustom")
 TEXT_NODES = ("CLIPTextEncode", "CLIPTextEncodeSDXL", "CLIPTextEncodeFlux", "TextEncodeQwenImageEdit")
 
 
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e6
+
+
 def parse_comfy_api(graph) -> dict | None:
     """ComfyUI's API-format graph (the PNG's ``prompt`` chunk): the sampler's seed/steps/cfg, the
     texts of the CLIPTextEncode nodes wired to its positive and negative inputs, the latent's size,
@@ -212,7 +225,7 @@ def parse_comfy_api(graph) -> dict | None:
         if depth > 8 or not isinstance(link, list) or not link:
             return None
         node = nodes.get(str(link[0])) or {}
-        inputs = node.get("inputs") or {}
+        inputs = _dict(node.get("inputs"))
         for key in ("text", "text_g", "prompt", "string", "value", "conditioning", "positive"):
             if key in inputs:
                 found = text_of(inputs[key], depth + 1)
@@ -220,31 +233,32 @@ def parse_comfy_api(graph) -> dict | None:
                     return found
         return None
 
-    inputs = sampler.get("inputs") or {}
+    inputs = _dict(sampler.get("inputs"))
     params: dict = {}
     for key, field, kind in (("seed", "seed", int), ("noise_seed", "seed", int), ("steps", "num_inference_steps", int),
                              ("cfg", "guidance_scale", float)):
         value = inputs.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             params[field] = kind(value)
     positive, negative = text_of(inputs.get("positive")), text_of(inputs.get("negative"))
     if positive is not None:
         params["prompt"] = positive
     if negative:
         params["negative_prompt"] = negative
-    latent = nodes.get(str((inputs.get("latent_image") or [None])[0])) or {}
-    lin = latent.get("inputs") or {}
+    latent_link = inputs.get("latent_image")
+    latent = nodes.get(str(latent_link[0])) if isinstance(latent_link, list) and latent_link else None
+    lin = _dict((latent or {}).get("inputs"))
     if isinstance(lin.get("width"), int) and isinstance(lin.get("height"), int):
         params["width"], params["height"] = lin["width"], lin["height"]
     adapters = []
     for node in nodes.values():
         if node.get("class_type") in ("LoraLoader", "LoraLoaderModelOnly"):
-            nin = node.get("inputs") or {}
-            if nin.get("lora_name"):
-                adapters.append({"name": _lora_name(nin["lora_name"]),
-                                 "scale": float(nin.get("strength_model", 1.0))})
+            nin = _dict(node.get("inputs"))
+            strength = nin.get("strength_model", 1.0)
+            if isinstance(nin.get("lora_name"), str) and nin["lora_name"] and _number(strength):
+                adapters.append({"name": _lora_name(nin["lora_name"]), "scale": float(strength)})
     extra = {k: inputs[k] for k in ("sampler_name", "scheduler", "denoise") if k in inputs}
-    ckpt = next((n.get("inputs", {}).get("ckpt_name") for n in nodes.values()
+    ckpt = next((_dict(n.get("inputs")).get("ckpt_name") for n in nodes.values()
                  if n.get("class_type") == "CheckpointLoaderSimple"), None)
     if ckpt:
         extra["checkpoint"] = ckpt
@@ -262,17 +276,19 @@ def parse_comfy_workflow(workflow) -> dict | None:
     if not isinstance(workflow, dict) or not isinstance(workflow.get("nodes"), list):
         return None
     links = {}
-    for link in workflow.get("links") or []:
-        if isinstance(link, list) and len(link) >= 3:  # [id, from_node, from_slot, to_node, to_slot, type]
+    for link in _list(workflow.get("links")):
+        if isinstance(link, list) and len(link) >= 3 and isinstance(link[0], (int, str)):  # [id, from_node, from_slot, to_node, to_slot, type]
             links[link[0]] = [str(link[1]), link[2]]
     graph = {}
     for node in workflow["nodes"]:
         if not isinstance(node, dict) or "id" not in node:
             continue
-        kind, values = node.get("type"), node.get("widgets_values") or []
+        kind, values = node.get("type"), _list(node.get("widgets_values"))
+        if not isinstance(kind, str) or not isinstance(node["id"], (int, str)):
+            continue
         inputs = {}
-        for slot in node.get("inputs") or []:
-            if isinstance(slot, dict) and slot.get("link") in links:
+        for slot in _list(node.get("inputs")):
+            if isinstance(slot, dict) and isinstance(slot.get("link"), (int, str)) and slot["link"] in links:
                 inputs[slot.get("name")] = links[slot["link"]]
         if kind in _WIDGETS and isinstance(values, list):
             for key, i in _WIDGETS[kind].items():

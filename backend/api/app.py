@@ -116,15 +116,23 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request, exc: RequestValidationError):
         err = exc.errors()[0]
+        if err.get("type") == "json_invalid":  # loc is ("body", offset): the body itself is named
+            where = err.get("loc", ())[-1] if len(err.get("loc", ())) > 1 else "?"
+            return JSONResponse(error_body(f"body: not valid JSON at character {where} "
+                                           f"({(err.get('ctx') or {}).get('error', err.get('msg'))})",
+                                           "invalid_request_error", "body", 400), status_code=400)
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
         param = ".".join(loc) or None
-        return JSONResponse(error_body(f"{param or 'body'}: {err.get('msg')}", "invalid_request_error", param, 400),
-                            status_code=400)
+        return JSONResponse(error_body(f"{param or 'body'}: {err.get('msg')}", "invalid_request_error",
+                                       param or "body", 400), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind, None, exc.status_code), status_code=exc.status_code)
+        # FastAPI answers a body it cannot decode (not UTF-8, a broken form) with a bare 400: name the body
+        param, detail = (("body", f"body: not readable as JSON ({exc.detail})") if exc.status_code == 400
+                         else (None, str(exc.detail)))
+        return JSONResponse(error_body(detail, kind, param, exc.status_code), status_code=exc.status_code)
 
     async def _on_other(request, exc: Exception):
         """Known user errors (a NUL byte, bad Unicode, a full disk) are JSON 4xx/507; anything else a
