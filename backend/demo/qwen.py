@@ -18,7 +18,7 @@ SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192,
                  num_train_timesteps=1000, shift=1.0, shift_terminal=0.02, time_shift_type="exponential",
                  use_dynamic_shifting=True)
 
-DEFAULTS = {"height": 64, "width": 64, "num_inference_steps": 20, "true_cfg_scale": 6.0}
+DEFAULTS = {"height": 64, "width": 64, "num_inference_steps": 20, "true_cfg_scale": 4.0}
 WEIGHTS = "qwen-image"  # folder under backend/demo/weights/
 TEXT_WIDTH = 16
 

@@ -315,7 +315,7 @@ def train_qwen_transformer(plan: QwenPlan, work: Path, vae, stats: dict, deadlin
     return pipe, done
 
 
-def export_qwen(pipe, stats: dict, out: Path) -> Path:
+def export_qwen(pipe, stats: dict, out: Path, init: Path | None = None) -> Path:
     """Write the trained pipeline in fp16 safetensors, diffusers layout, with the VAE's latent statistics."""
     import shutil
 
@@ -328,8 +328,17 @@ def export_qwen(pipe, stats: dict, out: Path) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "training.json").write_text(json.dumps(
-        {"vae": {k: stats[k] for k in ("psnr_db", "colour_kept")}, "plan": stats.get("plan")}, indent=2) + "\n")
+    for config in tmp.glob("*/config.json"):  # weights loaded from a folder (--init-from) name it: not shipped
+        values = json.loads(config.read_text())
+        if values.pop("_name_or_path", None) is not None:
+            config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    if init is not None:  # the tokenizer does not train: its files as they were, not a round trip's
+        shutil.rmtree(tmp / "tokenizer")
+        shutil.copytree(init / "tokenizer", tmp / "tokenizer")
+    record = {"vae": {k: stats[k] for k in ("psnr_db", "colour_kept")}, "plan": stats.get("plan")}
+    if stats.get("continued_from"):  # --init-from: the run these weights went on from, with its own record
+        record["continued_from"] = stats["continued_from"]
+    (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     pipe.to(torch.float32)
@@ -361,6 +370,8 @@ def train_qwen_image(plan: QwenPlan, work: Path, out: Path, minutes: float, init
         stats_file.write_text(json.dumps(stats, indent=2))
     if init is not None:  # the transformer learned on latents normalised by the written statistics
         stats.update(latents_mean=list(vae.config.latents_mean), latents_std=list(vae.config.latents_std))
+        earlier = init / "training.json"
+        stats["continued_from"] = json.loads(earlier.read_text()) if earlier.is_file() else {"weights": str(init)}
     print(f"vae: {stats['psnr_db']} dB, keeps the asked colour in {stats['colour_kept']:.0%} of its reconstructions")
     for p in vae.parameters():
         p.requires_grad_(False)
@@ -368,7 +379,7 @@ def train_qwen_image(plan: QwenPlan, work: Path, out: Path, minutes: float, init
     if not done:
         return False
     stats["plan"] = asdict(plan)
-    export_qwen(pipe, stats, out)
+    export_qwen(pipe, stats, out, init)
     print(f"wrote {out}")
     return True
 
