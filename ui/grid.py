@@ -60,7 +60,7 @@ def geometry(w: int, h: int, x_labels: list, y_labels: list, z_labels: list, cor
     keep the whole picture inside the plot budget (backend/limits.py, MAX_PLOT_PIXELS and MAX_PLOT_SIDE).
     Raises InvalidParameter (naming the size) when even the smallest cells do not fit, so a plot is refused
     before any of its jobs is queued. Labels are cut to MAX_LABEL characters."""
-    from backend.limits import MAX_PLOT_PIXELS, MAX_PLOT_SIDE, check_plot_size
+    from backend.service import MAX_PLOT_PIXELS, MAX_PLOT_SIDE, check_plot_size
 
     font = ImageFont.load_default()
     line = int(font.size + PAD)

@@ -17,7 +17,7 @@ from html import escape
 import gradio as gr
 
 from backend.errors import InvalidParameter
-from backend.limits import check_plot_cells
+from backend.service import check_plot_cells
 
 from . import views
 from .fields import WIDGETS, clean_value
