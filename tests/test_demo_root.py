@@ -130,6 +130,22 @@ def test_a_served_demo_model_lists_and_uses_its_demo_adapters_outside_the_librar
     assert _files(home / "adapters") == [], "demo files were written into the user's adapter library"
 
 
+def test_a_request_naming_a_demo_adapter_right_after_start_finds_it(data_dir, demo_path, tmp_path_factory):
+    """Issue 26: /health answered before the demo adapters existed (they were written the first time something
+    listed them), so a script that started the server and asked for a demo adapter at once got 404 "no adapter
+    named ...". A name the library does not know, while a demo model is served, writes them first."""
+    demo_path(MODEL)
+    home = app_home(data_dir, tmp_path_factory, "demo-at-once")
+    with served_app(home) as app:
+        assert not (home / "demo" / "adapters").exists()  # nothing has listed them yet
+        r = httpx.post(app.url + "/v1/images/generations", timeout=300,
+                       json={**FAST, "lora": {"name": "qwen-image-ink-kohya"}})
+        assert r.status_code == 200, r.text
+        assert [a["name"] for a in r.json()["data"][0]["metadata"]["adapters"]] == ["qwen-image-ink-kohya"]
+        r = httpx.post(app.url + "/v1/images/generations", timeout=300, json={**FAST, "lora": {"name": "no-such"}})
+        assert r.status_code == 404 and "no-such" in r.json()["error"]["message"], r.text
+
+
 def test_a_preset_without_demo_standins_loads(tmp_path):
     from backend.presets import PresetError, format_rows, load_preset
 

@@ -68,6 +68,10 @@ class AdapterResolver:
         return settings.adapter_roots(self.adapter_dirs, self.data_dir,
                                       demo=isinstance(model, str) and model.startswith("demo:"))
 
+    def _demo_served(self) -> bool:
+        model = self._model()
+        return isinstance(model, str) and model.startswith("demo:")
+
     def _inside(self, real: Path) -> bool:
         return any(real == root or real.is_relative_to(root) for root in self.roots)
 
@@ -115,6 +119,13 @@ class AdapterResolver:
         from ..lora.library import find
 
         entry = find(name, self.roots[1:], self.data_dir)
+        if entry is None and self._demo_served():
+            # the demo adapters are written the first time something lists them; a request that names one
+            # before (a script that starts the server and asks at once) writes them now instead of a 404
+            from ..lora import demo_adapters
+
+            demo_adapters.ensure(self.data_dir)
+            entry = find(name, self.roots[1:], self.data_dir)
         if entry is None:
             raise AdapterNotFound(f"no adapter named {name!r} in the library or loaded with "
                                   "/v1/load_lora_adapter", param="lora.name")
