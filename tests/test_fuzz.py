@@ -132,6 +132,8 @@ def test_infotext_and_comfyui_graphs(budget):
 def _mutate(rng: random.Random, data: bytes, edits: int = 4) -> bytes:
     out = bytearray(data)
     for _ in range(rng.randint(1, edits)):
+        if not out:  # a deletion took everything
+            out.append(rng.randrange(256))
         at = rng.randrange(len(out))
         op = rng.random()
         if op < 0.5:

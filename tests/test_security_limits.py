@@ -220,6 +220,7 @@ def test_prompt_tags_count_against_the_limits_before_any_lookup(server, demo_pat
 # -- 14.12: user errors are JSON 4xx naming the field -----------------------------------------------------
 RAW_500_CASES = [
     ("/v1/images/generations", {"prompt": "x", "lora": {"path": "/tmp/a\u0000b"}}, "lora.path"),
+    ("/v1/videos/generations", {"prompt": "x", "lora": {"path": "~0:found-by-the-fuzz-pass"}}, "lora.path"),
     ("/v1/images/generations", {"prompt": "x", "extra_body": {"lora": 5}}, "extra_body.lora"),
     ("/v1/images/generations", {"prompt": "x", "extra_body": {"lora": [5]}}, "extra_body.lora"),
     ("/v1/images/generations", {"prompt": "a \ud800 cat"}, "prompt"),

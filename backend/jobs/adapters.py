@@ -45,7 +45,9 @@ class AdapterResolver:
     def check_path(self, raw: str, param: str = "lora.path") -> Path:
         if not isinstance(raw, str) or not raw.strip():
             raise InvalidParameter(f"{param} must be a non-empty string", param=param)
-        given = Path(raw).expanduser()
+        # "~/x" is the server's home (the roots rule applies as to any path); "~name/x" is not expanded: a
+        # client must not make the server look users up (an unknown one raised, a 500)
+        given = Path(raw).expanduser() if raw == "~" or raw.startswith("~/") else Path(raw)
         candidates = [given] if given.is_absolute() else [root / given for root in self.roots]
         for cand in candidates:
             if not os.path.lexists(cand):
