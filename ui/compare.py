@@ -16,11 +16,11 @@ from . import views
 from .fields import WIDGETS, clean_value
 from .follow import follow
 from .generate import GenerateTab, models_by_id
-from .grid import cell_size, compose_xyz, first_frame, geometry, parse_numbers
+from .grid import cell_size, compose, corner, first_frame, geometry, parse_numbers
 from .views import error_html, readable
 
 
-TITLES = {"adapters": "adapter \\ adapter weight", "seeds": "seed \\ adapter weight"}  # the grid's corner
+Y_TITLES = {"adapters": "adapter", "seeds": "seed"}  # the Y axis by its choice; X is "adapter weight"
 
 
 def plan(y_axis: str, scales: list[float], adapters: list[str], seeds: list[int], seed: int):
@@ -75,7 +75,7 @@ def build(studio, gen: GenerateTab) -> None:
             check_plot_cells(len(xs) * (len(names) if axis == "adapters" else len(ys)))  # before any planning
             layout = plan(axis, xs, list(names), ys, int(seed if seed is not None else 0))
             geometry(*cell_size(base, m.defaults), [x for x, _, _ in layout[0][1]], [y for y, _ in layout], [""],
-                     TITLES[axis])  # the picture fits the plot budget
+                     corner("adapter weight", Y_TITLES[axis]))  # the picture fits the plot budget
             # all queued before any is awaited, all or none (a refused cell or a full queue queues nothing)
             places = [(r, c) for r, (_, row) in enumerate(layout) for c in range(len(row))]
             jobs = studio.submit_many([{"kind": "generate", "params": {**base, "seed": sd}, "adapters": payload,
@@ -101,7 +101,8 @@ def build(studio, gen: GenerateTab) -> None:
             else:
                 images[r][c] = "failed"
                 failed.append(f"job {job['id']}: {job.get('error') or job.get('status')}")
-        grid = compose_xyz([images], [x for x, _, _ in layout[0][1]], [y for y, _ in layout], [""], TITLES[axis])[0]
+        grid = compose(images, [x for x, _, _ in layout[0][1]], [y for y, _ in layout], "adapter weight",
+                       Y_TITLES[axis])
         done_note = f"{len(ids)} cells" + (f" ({len(cancelled)} cancelled: jobs {', '.join(cancelled)})"
                                            if cancelled else "")
         yield (error_html("; ".join(failed)) if failed else views.ok_html(done_note)), grid

@@ -46,7 +46,12 @@ def compose(cells: list[list[Image.Image | str | None]], x_labels: list[str], y_
             x_title: str, y_title: str) -> Image.Image:
     """The Compare tab's grid, ``cells[row][col]``: one block of ``compose_xyz``, its corner naming both
     axes. A cell without an image is a grey box saying why ("cancelled", "failed"; None: "failed")."""
-    return compose_xyz([cells], x_labels, y_labels, [""], f"{y_title} \\ {x_title}")[0]
+    return compose_xyz([cells], x_labels, y_labels, [""], corner(x_title, y_title))[0]
+
+
+def corner(x_title: str, y_title: str) -> str:
+    """The top-left label of a grid: its Y axis over its X axis ("seed \\ adapter weight")."""
+    return f"{y_title} \\ {x_title}"
 
 
 def _label(text) -> str:
