@@ -332,7 +332,7 @@ class Studio:
 
     def adapter_cards(self) -> list[dict]:
         """The LoRA browser's cards: one plain dict per library row, with what its safetensors header
-        says (title, trigger words, an embedded thumbnail, all bounded: backend/lora/cards.py), the
+        says (title, trigger words, a description, an embedded thumbnail, all bounded: backend/lora/cards.py), the
         base-model family (the publisher's hint, else the loaded model's when the adapter fits it, else
         one its name says: ``family_source`` is metadata, fit or name),
         and whether it can be used here and why not. Headers only, cached by (path, mtime, size)."""
@@ -364,9 +364,10 @@ class Studio:
                         "fit": row["fit"]["summary"], "model": model, "family": family,
                         "family_source": source if family else None,
                         "base_model": cards.clean_text(hint or ""), "title": card["title"],
-                        "triggers": card["triggers"], "thumbnail": thumb, "thumbnail_source": made or
+                        "description": card["description"], "triggers": card["triggers"], "thumbnail": thumb, "thumbnail_source": made or
                         ("file" if thumb else None), "preview_pending": bool(sha) and sha in pending,
-                        "thumbnail_note": card["thumbnail_note"], "pinned": row.get("pinned", False)})
+                        "thumbnail_note": card["thumbnail_note"], "pinned": row.get("pinned", False),
+                        "demo": bool(row.get("demo"))})
         return out
 
     def adapter_use_counts(self) -> dict[str, int]:

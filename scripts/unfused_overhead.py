@@ -14,8 +14,8 @@ model = sys.argv[1] if len(sys.argv) > 1 else "demo:qwen-image"
 dd = os.environ.get("LORA_STUDIO_HOME")
 lib = demo_adapters.ensure(dd)
 m = PipelineManager(device="cpu", data_dir=dd); m.load(model); e = attach(m)
-a = LoRARequest("ink", 1, str(lib / "qwen-image/qwen-image-ink-kohya.safetensors"))
-b = LoRARequest("film", 2, str(lib / "qwen-image/qwen-image-film-diffusers.safetensors"))
+a = LoRARequest("ink", 1, str(lib / "qwen-image/demo-inverted.safetensors"))
+b = LoRARequest("film", 2, str(lib / "qwen-image/demo-outline.safetensors"))
 params = m.validate({"prompt": "x", "seed": 1, "num_inference_steps": 8, "height": 128, "width": 128, "true_cfg_scale": 1.0})
 kw = {k: v for k, v in params.items() if k not in ("seed", "fps", "flow_shift", "sample_solver", "boundary_ratio")}
 def run():

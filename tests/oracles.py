@@ -30,6 +30,7 @@ class Reading:
     digit: int | None
     shape: str | None
     foreground: float  # share of pixels that are foreground
+    fill: float | None = None  # share of the foreground's box that is foreground (the shape oracle's figure)
 
 
 def _nearest(table: dict, rgb) -> str:
@@ -82,7 +83,27 @@ def read(image) -> Reading:
     digit = int(_digit_classifier().predict(_to_8x8(weight, box).reshape(1, -1))[0])
     fill = mask[box[0]:box[1], box[2]:box[3]].mean()
     shape = "square" if fill > 0.9 else "circle" if fill > 0.64 else "triangle"
-    return Reading(background, colour, digit, shape, share)
+    return Reading(background, colour, digit, shape, share, float(fill))
+
+
+def chroma(image) -> float:
+    """Mean saturation of a picture: max - min of each pixel's RGB, averaged (0 for any grey picture)."""
+    img = np.asarray(image.convert("RGB") if hasattr(image, "convert") else image, np.float32)
+    return float((img.max(-1) - img.min(-1)).mean())
+
+
+def read_colours(image) -> tuple[str, str | None]:
+    """(background, foreground) as the nearest of every colour the grammar names, backgrounds and
+    foreground colours alike: an inverted picture has a foreground colour behind a background colour."""
+    img = np.asarray(image.convert("RGB") if hasattr(image, "convert") else image, np.float32)
+    table = {**PALETTE, **BACKGROUNDS}
+    border = np.concatenate([img[:2].reshape(-1, 3), img[-2:].reshape(-1, 3),
+                             img[:, :2].reshape(-1, 3), img[:, -2:].reshape(-1, 3)])
+    bg = np.median(border, axis=0)
+    mask = np.sqrt(((img - bg) ** 2).sum(-1)) > FAR
+    if mask.sum() < 12:
+        return _nearest(table, bg), None
+    return _nearest(table, bg), _nearest(table, np.median(img[mask], axis=0))
 
 
 _PROMPT = re.compile(r"a (\w+) (?:digit (\d)|(circle|square|triangle)) on a (\w+) background")

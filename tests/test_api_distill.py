@@ -79,7 +79,7 @@ def test_apply_preset_then_adapters_on_top_then_restore_base_is_exact(peft_studi
     assert peft_studio.system()["fused"]["preset"] == PRESET
     fused = _pixels(peft_studio)
     assert not np.array_equal(fused, base)
-    ink = [{"name": "qwen-image-ink-kohya", "scale": 1.0}]
+    ink = [{"name": "demo-inverted", "scale": 1.0}]
     on_top = _pixels(peft_studio, ink)
     assert not np.array_equal(on_top, fused)
     assert np.array_equal(_pixels(peft_studio), fused)  # the adapter came off to the fused base

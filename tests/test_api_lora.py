@@ -18,8 +18,8 @@ from backend.service import Studio  # noqa: E402
 
 FAST = {"prompt": "a lighthouse", "height": 64, "width": 64, "num_inference_steps": 3, "true_cfg_scale": 1.0,
         "seed": 11}
-INK = "qwen-image/qwen-image-ink-kohya.safetensors"
-FILM = "qwen-image/qwen-image-film-diffusers.safetensors"
+INK = "qwen-image/demo-inverted.safetensors"
+FILM = "qwen-image/demo-outline.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,9 @@ def test_adapter_changes_the_image_and_scale_zero_or_none_gives_the_base_back(se
 def test_aliases_and_name_alone_pick_the_same_adapter(server, data_dir):
     _, url = server
     ref = _image(url, lora={"path": INK})
-    for lora in ({"lora_name": "qwen-image-ink-kohya"}, {"adapter": "qwen-image-ink-kohya", "lora_scale": 1.0},
+    for lora in ({"lora_name": "demo-inverted"}, {"adapter": "demo-inverted", "lora_scale": 1.0},
                  {"local_path": INK, "lora_int_id": 7}, {"lora_path": str(data_dir / "demo" / "adapters" / INK)},
-                 [{"name": "qwen-image-ink-kohya", "scale": 1.0}]):
+                 [{"name": "demo-inverted", "scale": 1.0}]):
         assert np.array_equal(_image(url, lora=lora), ref), lora
     # the same object inside extra_body
     assert np.array_equal(_image(url, extra_body={"lora": {"path": INK}}), ref)
@@ -114,17 +114,17 @@ def test_pin_keeps_an_adapter_in_the_worker_cache(server):
     import time
 
     studio, url = server
-    studio.pin("qwen-image-neon-peft", True)
+    studio.pin("demo-grayscale", True)
     _image(url)  # control messages reach the worker between jobs
     deadline = time.monotonic() + 30
-    while "qwen-image-neon-peft" not in (studio.system()["lora_cache"] or {}).get("pinned", []):
+    while "demo-grayscale" not in (studio.system()["lora_cache"] or {}).get("pinned", []):
         assert time.monotonic() < deadline, studio.system()["lora_cache"]
         _image(url)
-    studio.pin("qwen-image-neon-peft", False)
+    studio.pin("demo-grayscale", False)
     _image(url)
     _image(url)
-    assert "qwen-image-neon-peft" not in studio.system()["lora_cache"]["pinned"]
-    assert any(a["name"] == "qwen-image-neon-peft" and not a["pinned"] for a in studio.adapters())
+    assert "demo-grayscale" not in studio.system()["lora_cache"]["pinned"]
+    assert any(a["name"] == "demo-grayscale" and not a["pinned"] for a in studio.adapters())
 
 
 def test_a_lora_path_given_at_start_is_requested_by_name_even_outside_the_roots(data_dir, tmp_path):

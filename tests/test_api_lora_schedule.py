@@ -19,7 +19,7 @@ from ui_fixtures import ROOT, app_home, served_app
 
 FAST = {"prompt": "a lighthouse", "height": 64, "width": 64, "num_inference_steps": 4, "true_cfg_scale": 1.0,
         "seed": 11}
-INK = "qwen-image/qwen-image-ink-kohya.safetensors"  # relative to the demo root, <data-dir>/demo/adapters
+INK = "qwen-image/demo-inverted.safetensors"  # relative to the demo root, <data-dir>/demo/adapters
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from backend.jobs.adapters import AdapterResolver
 from backend.lora import demo_adapters
 from ui_fixtures import MODEL, ROOT, app_home, make_lora, served_app
 
-INK = "qwen-image/qwen-image-ink-kohya.safetensors"
+INK = "qwen-image/demo-inverted.safetensors"
 FAST = {"prompt": "a lighthouse", "height": 64, "width": 64, "num_inference_steps": 2, "true_cfg_scale": 1.0,
         "seed": 11}
 
@@ -80,7 +80,7 @@ def test_an_older_versions_demo_files_leave_the_library_and_the_users_stay(tmp_p
     assert not old.exists() and not (home / "adapters" / "demo.lock").exists(), r.stderr
     assert _files(home / "adapters") == sorted([stand_ins / "users-own.safetensors", mine]), r.stderr
     assert str(old) in r.stderr and "old-standin" in r.stderr
-    assert "qwen-image-ink-kohya" not in r.stdout
+    assert "demo-inverted" not in r.stdout
 
 
 def test_demo_adapters_are_in_the_demo_root_and_listed_only_for_demo_models(library, data_dir):
@@ -100,15 +100,15 @@ def test_demo_adapters_are_in_the_demo_root_and_listed_only_for_demo_models(libr
 def test_resolver_takes_the_demo_root_only_while_a_demo_model_is_served(library, data_dir):
     demo = AdapterResolver((), data_dir, model="demo:qwen-image")
     assert demo.roots[-1] == library and demo.roots[0] == settings.adapters_dir(data_dir)
-    assert demo.by_name("qwen-image-ink-kohya") == (library / INK).resolve()
+    assert demo.by_name("demo-inverted") == (library / INK).resolve()
     assert demo.check_path(INK) == (library / INK).resolve()
     served = {"model": "demo:qwen-image"}  # a callable follows model switches
     switching = AdapterResolver((), data_dir, model=lambda: served["model"])
-    assert switching.by_name("qwen-image-ink-kohya") == (library / INK).resolve()
+    assert switching.by_name("demo-inverted") == (library / INK).resolve()
     served["model"] = "Qwen/Qwen-Image-2512"
     assert library not in switching.roots
     with pytest.raises(AdapterNotFound):
-        switching.by_name("qwen-image-ink-kohya")
+        switching.by_name("demo-inverted")
     with pytest.raises(PathNotAllowed):
         switching.check_path(str(library / INK))
 
@@ -119,11 +119,11 @@ def test_a_served_demo_model_lists_and_uses_its_demo_adapters_outside_the_librar
     home = app_home(data_dir, tmp_path_factory, "demo-root")
     with served_app(home) as app:
         rows = httpx.get(app.url + "/v1/loras", timeout=300).json()["library"]
-        ink = next(r for r in rows if r["name"] == "qwen-image-ink-kohya")
+        ink = next(r for r in rows if r["name"] == "demo-inverted")
         assert ink["demo"] is True and ink["usable"] and ink["fit"]["ok"], ink
         assert Path(ink["path"]).is_relative_to(home / "demo" / "adapters"), ink["path"]
         r = httpx.post(app.url + "/v1/images/generations", timeout=300,
-                       json={**FAST, "lora": {"name": "qwen-image-ink-kohya"}})
+                       json={**FAST, "lora": {"name": "demo-inverted"}})
         assert r.status_code == 200, r.text
         r = httpx.post(app.url + "/v1/images/generations", timeout=300, json={**FAST, "lora": {"path": INK}})
         assert r.status_code == 200, r.text
@@ -139,9 +139,9 @@ def test_a_request_naming_a_demo_adapter_right_after_start_finds_it(data_dir, de
     with served_app(home) as app:
         assert not (home / "demo" / "adapters").exists()  # nothing has listed them yet
         r = httpx.post(app.url + "/v1/images/generations", timeout=300,
-                       json={**FAST, "lora": {"name": "qwen-image-ink-kohya"}})
+                       json={**FAST, "lora": {"name": "demo-inverted"}})
         assert r.status_code == 200, r.text
-        assert [a["name"] for a in r.json()["data"][0]["metadata"]["adapters"]] == ["qwen-image-ink-kohya"]
+        assert [a["name"] for a in r.json()["data"][0]["metadata"]["adapters"]] == ["demo-inverted"]
         r = httpx.post(app.url + "/v1/images/generations", timeout=300, json={**FAST, "lora": {"name": "no-such"}})
         assert r.status_code == 404 and "no-such" in r.json()["error"]["message"], r.text
 

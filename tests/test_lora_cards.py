@@ -32,12 +32,14 @@ def test_hostile_metadata_is_trimmed_and_capped():
     tags = {f"tag{i}": 1000 - i for i in range(5000)}
     info = cards.card_info({"modelspec.trigger_phrase": "a" * 100_000 + ", b\u202e\x00c\nd",
                             "modelspec.title": "t" * 10_000,
+                            "modelspec.description": "line one\n\u202eline two " + "d" * 100_000,
                             "ss_tag_frequency": json.dumps({"x": tags}),
                             "ss_base_model_version": "w" * 500})
     assert len(info["triggers"]) == cards.MAX_TRIGGERS
     assert all(len(t) <= cards.MAX_TEXT for t in info["triggers"])
     assert info["triggers"][1] == "b c d"  # control and bidi characters removed, one line
     assert len(info["title"]) <= cards.MAX_TEXT and len(info["base_model"]) <= cards.MAX_TEXT
+    assert len(info["description"]) <= cards.MAX_DESCRIPTION and info["description"].startswith("line one line two")
     # not JSON, not the kohya shape, or too large: no tags, no error
     for raw in ("{", "[1, 2]", json.dumps({"x": [1]}), "x" * (cards.MAX_TAG_JSON + 1), "[" * 100_000):
         assert cards.card_info({"ss_tag_frequency": raw})["triggers"] == [], raw[:20]

@@ -21,8 +21,10 @@ EXPECTED = {  # relpath -> (format, ranks, alpha)
     "sd3.5/sd35-cheesecake-peft": ("peft", (4,), 8.0),
     "sd3.5/sd35-watercolor.safetensors": ("diffusers", (8,), 8.0),
     "sd3.5/sd35-sketch-peft-dump.safetensors": ("peft-dump", (4,), None),
-    "qwen-image/qwen-image-neon-peft": ("peft", (2, 4), 4.0),
-    "qwen-image/qwen-image-ink-kohya.safetensors": ("kohya", (8,), 4.0),
+    "qwen-image/demo-grayscale": ("peft", (4, 8), 8.0),
+    "qwen-image/demo-inverted.safetensors": ("kohya", (8,), 4.0),
+    "qwen-image/demo-outline.safetensors": ("diffusers", (8,), 16.0),
+    "qwen-image/demo-nine.safetensors": ("lightx2v", (8,), 4.0),
     "wan2.1-t2v/wan21-t2v-lightx2v-demo.safetensors": ("lightx2v", (4,), 4.0),
     "wan2.1-t2v/wan21-t2v-musubi-demo.safetensors": ("kohya", (4,), 2.0),
 }
@@ -43,9 +45,9 @@ def test_record_from_headers(library, relpath):
 
 
 def test_peft_regex_target_modules_kept(library):
-    rec = formats.inspect(library / "qwen-image/qwen-image-neon-peft")
+    rec = formats.inspect(library / "qwen-image/demo-grayscale")
     assert isinstance(rec.peft_config["target_modules"], str)
-    assert rec.peft_config["rank_pattern"] == {"transformer_blocks.1.attn.to_q": 2}
+    assert rec.peft_config["rank_pattern"] == {"transformer_blocks.1.attn.to_q": 4}
 
 
 def test_sha256_cache_follows_file_changes(tmp_path):

@@ -23,7 +23,7 @@ def test_listing_shows_fit_for_the_model(library, data_dir, tmp_path):
         assert name in rows, name
         assert rows[name]["fits"] is (spec.model == "demo:qwen-image"), (name, rows[name]["fit"])
         assert rows[name]["size_bytes"] > 0 and len(rows[name]["sha256"]) == 64
-    assert rows["qwen-image-ink-kohya"]["fit"].startswith("fits (transformer: 24 layers")
+    assert rows["demo-inverted"]["fit"].startswith("fits (transformer: 40 layers")
     # a foreign adapter's shapes are named, both sides
     assert "adapter (8, 32) vs model (8, 128)" in rows["sd35-watercolor"]["fit"]
     assert "pickle" in rows["old"]["fit"] and rows["old"]["fits"] is False
@@ -47,7 +47,7 @@ def test_duplicate_stems_get_distinct_names(tmp_path, library, data_dir):
 
     for sub in ("a", "b"):
         (tmp_path / sub).mkdir()
-        shutil.copy(library / "qwen-image/qwen-image-ink-kohya.safetensors", tmp_path / sub / "style.safetensors")
+        shutil.copy(library / "qwen-image/demo-inverted.safetensors", tmp_path / sub / "style.safetensors")
     # the data dir's own library is always scanned too; look only at this test's root
     names = [e.name for e in scan([tmp_path], data_dir) if tmp_path in e.path.parents]
     assert sorted(names) == ["a/style", "b/style"]

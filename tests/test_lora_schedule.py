@@ -109,7 +109,7 @@ def floats(m, callback=None, steps=STEPS):
 def test_constant_schedule_is_the_scalar_and_a_two_part_schedule_is_a_hand_run_switch(library, managers):
     m = managers("demo:qwen-image")
     engine = m.lora_engine
-    ink = req(library / "qwen-image/qwen-image-ink-kohya.safetensors", 1)
+    ink = req(library / "qwen-image/demo-inverted.safetensors", 1)
     base_sums = sums(m)
     base, _ = pixels(m, [])
     s1, s2 = 1.0, -0.6
@@ -155,7 +155,7 @@ def test_constant_schedule_is_the_scalar_and_a_two_part_schedule_is_a_hand_run_s
 def test_per_block_weights(library, managers):
     m = managers("demo:qwen-image")
     engine = m.lora_engine
-    ink = req(library / "qwen-image/qwen-image-ink-kohya.safetensors", 1)
+    ink = req(library / "qwen-image/demo-inverted.safetensors", 1)
     base_sums = sums(m)
     base, _ = pixels(m, [])
     full, _ = pixels(m, [(ink, 1.0)])
@@ -223,7 +223,7 @@ def test_a_compiled_denoiser_is_not_recompiled_per_step(library, managers):
 
     m = managers("demo:qwen-image")
     engine = m.lora_engine
-    ink = req(library / "qwen-image/qwen-image-ink-kohya.safetensors", 1)
+    ink = req(library / "qwen-image/demo-inverted.safetensors", 1)
     eager, _ = pixels(m, [(ink, [1.0, 0.3, -0.5, 0.8])])
     transformer = m.pipeline.transformer
     transformer.compile(backend="eager")
@@ -277,7 +277,7 @@ def test_omni_takes_a_schedule_per_request(library, data_dir):
 
     omni = Omni(model="demo:qwen-image", device="cpu", dtype="float32", data_dir=data_dir)
     q = library / "qwen-image"
-    ink, film = req(q / "qwen-image-ink-kohya.safetensors", 1), req(q / "qwen-image-film-diffusers.safetensors", 2)
+    ink, film = req(q / "demo-inverted.safetensors", 1), req(q / "demo-outline.safetensors", 2)
     fields = {"prompt": PROMPT, "seed": 5, "num_inference_steps": STEPS}
     out = omni.generate(**fields, lora_request=ink, lora_scale=[1.0, 0.5])[0]
     assert out.metadata["adapters"][0]["scale_resolved"]["per_step"] == [1.0, 1.0, 0.5, 0.5]

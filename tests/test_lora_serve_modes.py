@@ -17,9 +17,9 @@ from PIL import Image
 from ui_fixtures import served_app, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-INK = "qwen-image/qwen-image-ink-kohya.safetensors"
-FILM = "qwen-image/qwen-image-film-diffusers.safetensors"
-NEON = "qwen-image/qwen-image-neon-peft"
+INK = "qwen-image/demo-inverted.safetensors"
+FILM = "qwen-image/demo-outline.safetensors"
+NEON = "qwen-image/demo-grayscale"
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_prefetch_reads_the_next_jobs_adapter_while_one_renders(server):
         results[name] = generate(server.url, **kw)
 
     def prefetched() -> bool:  # the worker logs each prefetch round that read a file
-        return "prefetched 'qwen-image-film-diffusers'" in server.log.read_text()
+        return "prefetched 'demo-outline'" in server.log.read_text()
 
     long_job = threading.Thread(target=run, args=("long",), kwargs={"steps": 3})
     cold = threading.Thread(target=run, args=("cold",), kwargs={"lora": {"path": FILM, "scale": 1.0}})

@@ -18,9 +18,9 @@ from backend.lora.engine import LoRAEngine
 from backend.weights import module_checksum
 
 ROOT = Path(__file__).resolve().parents[1]
-INK = "qwen-image/qwen-image-ink-kohya.safetensors"
-FILM = "qwen-image/qwen-image-film-diffusers.safetensors"
-NEON = "qwen-image/qwen-image-neon-peft"
+INK = "qwen-image/demo-inverted.safetensors"
+FILM = "qwen-image/demo-outline.safetensors"
+NEON = "qwen-image/demo-grayscale"
 FAST = {"prompt": "a lighthouse", "height": 64, "width": 64, "num_inference_steps": 2, "true_cfg_scale": 1.0,
         "seed": 5}
 
@@ -40,16 +40,16 @@ def test_a_preloaded_adapter_requested_by_path_or_name_is_its_pinned_entry(libra
     out = omni.generate(**FAST, lora_request=LoRARequest("preloaded", 1, str(p)))[0]
     s = engine.stats()
     assert s["tiers"]["cpu"]["size"] == 1 and s["tiers"]["device"]["size"] == 1, s["tiers"]
-    assert s["counters"]["loads_from_disk"] == 1 and s["pinned"] == ["qwen-image-neon-peft"]
+    assert s["counters"]["loads_from_disk"] == 1 and s["pinned"] == ["demo-grayscale"]
     assert out.metadata["adapters"][0]["name"] == "preloaded"
     for path in (INK, FILM, INK, FILM):  # other adapters cycle through a device tier of 2
         omni.generate(**FAST, lora_request=LoRARequest(Path(path).stem, 2 + (path == FILM), str(library / path)))
     before = engine.stats()["tiers"]["device"]
     again = omni.generate(**FAST, lora_request=LoRARequest("preloaded", 1, str(p)))[0]
-    by_name = omni.generate(**FAST, lora_request=LoRARequest("qwen-image-neon-peft", 9))[0]
+    by_name = omni.generate(**FAST, lora_request=LoRARequest("demo-grayscale", 9))[0]
     after = engine.stats()
     assert after["tiers"]["device"]["misses"] == before["misses"]  # the pinned factors stayed on the device
-    assert "qwen-image-neon-peft" in after["tiers"]["device"]["adapters"]
+    assert "demo-grayscale" in after["tiers"]["device"]["adapters"]
     assert after["tiers"]["cpu"]["size"] == 3 and after["counters"]["loads_from_disk"] == 3  # neon, ink, film
     assert again.images[0].tobytes() == out.images[0].tobytes() == by_name.images[0].tobytes()
 
@@ -241,6 +241,6 @@ def test_unloading_an_alias_keeps_the_pinned_entry(library, data_dir):
     engine = omni.lora
     engine.load(LoRARequest("preloaded", 1, str(p)))
     engine.unload(1)
-    assert engine.stats()["pinned"] == ["qwen-image-neon-peft"] and engine.stats()["tiers"]["cpu"]["size"] == 1
-    engine.unload("qwen-image-neon-peft")
+    assert engine.stats()["pinned"] == ["demo-grayscale"] and engine.stats()["tiers"]["cpu"]["size"] == 1
+    engine.unload("demo-grayscale")
     assert engine.stats()["pinned"] == [] and engine.stats()["tiers"]["cpu"]["size"] == 0

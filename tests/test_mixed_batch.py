@@ -114,7 +114,7 @@ def test_batch_or_one_by_one_by_predicted_cost():
 
 
 # -- over HTTP: a real `app.py serve --max-batch 4` against `--max-batch 1` ---------------------------------
-NAMES = ["qwen-image-ink-kohya", "qwen-image-film-diffusers", "qwen-image-neon-peft", None]
+NAMES = ["demo-inverted", "demo-outline", "demo-grayscale", None]
 
 
 def _body(i: int, name) -> dict:

@@ -24,7 +24,7 @@ def manager(data_dir):
 
 def held(engine, tier: str) -> list[int]:
     """The lora_int_ids (1 x, 2 y, 3 z) a cache tier holds, LRU first (the cache is keyed by identity)."""
-    order = ["qwen-image-ink-kohya", "qwen-image-film-diffusers", "qwen-image-neon-peft"]
+    order = ["demo-inverted", "demo-outline", "demo-grayscale"]
     return [order.index(n) + 1 for n in engine.stats()["tiers"][tier]["adapters"]]
 
 
@@ -35,8 +35,8 @@ def req(path, i) -> LoRARequest:
 @pytest.fixture
 def adapters(library):
     q = library / "qwen-image"
-    return [req(q / "qwen-image-ink-kohya.safetensors", 1), req(q / "qwen-image-film-diffusers.safetensors", 2),
-            req(q / "qwen-image-neon-peft", 3)]
+    return [req(q / "demo-inverted.safetensors", 1), req(q / "demo-outline.safetensors", 2),
+            req(q / "demo-grayscale", 3)]
 
 
 def test_prefetch_fills_within_the_bound_and_skips_the_disk_later(manager, adapters):

@@ -166,7 +166,7 @@ def test_merge_and_fuse_are_refused_by_name_and_shapes_still_checked(pairs, libr
     with pytest.raises(InvalidParameter, match="fusing a distill file or preset") as err:
         q.fuse([str(library / "sd3.5/sd35-watercolor.safetensors")], [1.0])
     # an adapter for another model is refused by the same fit check, naming its keys
-    foreign = LoRARequest("ink", 2, str(library / "qwen-image/qwen-image-ink-kohya.safetensors"))
+    foreign = LoRARequest("ink", 2, str(library / "qwen-image/demo-inverted.safetensors"))
     with pytest.raises(AdapterError, match="does not fit"):
         q.generate({"prompt": "x", "num_inference_steps": 1}, adapters=[(foreign, 1.0)])
     assert storage_digest(q.denoisers()["transformer"]) == stored
@@ -285,7 +285,7 @@ def test_qwen_image_gguf_in_diffusers_names_mixes_packed_and_plain_layers(data_d
     ref.load("demo:qwen-image")
     dequantized_copy(q, ref)
     attach(ref)
-    ink = LoRARequest("ink", 1, str(library / "qwen-image/qwen-image-ink-kohya.safetensors"))
+    ink = LoRARequest("ink", 1, str(library / "qwen-image/demo-inverted.safetensors"))
     stored = storage_digest(q.denoisers()["transformer"])
     base, _ = image(q, [])
     styled, meta = image(q, [(ink, 1.0)])

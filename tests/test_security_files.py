@@ -163,8 +163,8 @@ def served(data_dir, demo_path, tmp_path_factory):
 def hostile(served, data_dir):
     """The --adapter-dir filled with 50 hostile adapters (the server scans on every listing)."""
     demo = data_dir / "demo" / "adapters" / "qwen-image"
-    served.expected.update(hostile_library(served.hostile, demo / "qwen-image-ink-kohya.safetensors",
-                                           demo / "qwen-image-neon-peft"))
+    served.expected.update(hostile_library(served.hostile, demo / "demo-inverted.safetensors",
+                                           demo / "demo-grayscale"))
     return served
 
 
@@ -213,7 +213,7 @@ def _snapshot(folder: Path) -> set[str]:
 
 # -- 14.3: import writes nowhere but the library ---------------------------------------------------
 def test_import_with_a_hostile_name_writes_nothing_outside_the_library(served, data_dir):
-    neon = data_dir / "demo" / "adapters" / "qwen-image" / "qwen-image-neon-peft"
+    neon = data_dir / "demo" / "adapters" / "qwen-image" / "demo-grayscale"
     files = [neon / "adapter_config.json", neon / "adapter_model.safetensors"]
     fn, trigger = _fn_index(served.url, "adapters-import")
     library = served.home / "adapters"
@@ -269,7 +269,7 @@ def test_a_library_of_50_hostile_files_lists_in_bounded_time_one_unusable_row_ea
         assert row["error"] and str(row["path"]) in row["error"], (name, row["error"])
     assert all(str(served.hostile) not in row["path"] for n, row in rows.items() if n not in served.expected)
     assert "too-deep" not in rows  # below the depth bound
-    assert rows["qwen-image-ink-kohya"]["fit"]["ok"]  # the good adapters still list and fit
+    assert rows["demo-inverted"]["fit"]["ok"]  # the good adapters still list and fit
     r = served.post("/v1/images/generations", json={**FAST, "lora": {"name": "out-link"}})
     assert r.status_code == 403 and SECRET_NUMBER not in r.text, r.text  # a link out, by name
     print(f"\nGET /v1/loras with {len(served.expected)} hostile files: first {times[0]:.2f} s, cached "

@@ -222,3 +222,15 @@ def test_a_plot_of_elongated_cells_stays_inside_the_budget_and_reopens(tmp_path)
     long = geometry(64, 64, ["x" * 20_000] * 8, ["y" * 20_000] * 8, [""], "c")
     short = geometry(64, 64, ["x" * 59 + "…"] * 8, ["y" * 59 + "…"] * 8, [""], "c")
     assert long["size"] == short["size"]
+
+
+def test_the_first_run_hint_names_a_demo_lora_that_fits_and_escapes_the_card():
+    from ui import views
+
+    cards = [{"name": "mine", "fits": True, "demo": False, "description": "a user's own"},
+             {"name": "demo-far", "fits": False, "demo": True, "description": "does not fit"},
+             {"name": "demo-<b>x</b>", "fits": True, "demo": True, "description": "drains <i>it</i>"}]
+    hint = views.lora_hint(cards, "demo:qwen-image", "a red digit 3 on a black background")
+    assert "&lt;lora:demo-&lt;b&gt;x&lt;/b&gt;:1&gt;" in hint and "drains &lt;i&gt;it&lt;/i&gt;" in hint
+    assert "<b>x" not in hint and "mine" not in hint and "demo-far" not in hint
+    assert views.lora_hint(cards[:2], "demo:qwen-image", "p") == ""  # no fitting demo LoRA: no hint

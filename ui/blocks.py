@@ -36,9 +36,10 @@ CSS = """
 .ls-lcard-body { padding: 8px; display: flex; flex-direction: column; gap: 4px; }
 .ls-lcard h4 { margin: 0; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 .ls-family { font-weight: 600; font-size: .85em; }
-.ls-nums, .ls-lcard-title, .ls-browser-count { font-size: .8em; opacity: .8; }
+.ls-nums, .ls-lcard-title, .ls-about, .ls-browser-count { font-size: .8em; opacity: .8; }
 .ls-reason { font-size: .8em; color: var(--error-text-color, #b91c1c); overflow-wrap: anywhere; }
 .ls-triggers { display: flex; flex-wrap: wrap; gap: 4px; }
+#lora-hint .ls-hint { font-size: .9em; opacity: .85; }
 .ls-trigger { border: 1px solid var(--border-color-primary); border-radius: 10px; padding: 0 8px;
               font-size: .8em; cursor: pointer; background: var(--background-fill-secondary); }
 .ls-add { border-radius: 6px; padding: 2px 8px; cursor: pointer; background: var(--color-accent); color: white; }
@@ -150,9 +151,9 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
             preset = studio.current_preset()
             return [*gen.load_models(), *generate.adapter_pick_updates(studio),
                     gr.update(choices=generate.preset_choices(studio), value=preset or generate.NO_PRESET),
-                    generate.badge_html(preset)]
+                    generate.badge_html(preset), generate.lora_hint(studio)]
 
-        blocks.load(on_load, None, [*gen.model_outputs, gen.pick, gen.unfit, gen.preset, gen.badge],
+        blocks.load(on_load, None, [*gen.model_outputs, gen.pick, gen.unfit, gen.preset, gen.badge, gen.hint],
                     api_visibility="private", js=PAGE_JS)
         blocks.load(None, None, None, api_visibility="private", js=lora_browser.PAGE_JS)
     # Follow-events only poll the Studio's queue (which serializes the work), so they need no

@@ -191,6 +191,7 @@ def _widget(w: FieldWidget):
 class GenerateTab:
     model: gr.Dropdown = None
     mode: gr.Markdown = None
+    hint: gr.HTML = None
     prompt: gr.Textbox = None
     seed: gr.Number = None
     widgets: dict = field(default_factory=dict)
@@ -295,6 +296,17 @@ def adapter_pick_updates(studio) -> list:
     return [gr.update(choices=choices, value=choices[0][1] if choices else None), note]
 
 
+PLACEHOLDER = "a red digit 3 on a black background"
+
+
+def lora_hint(studio) -> str:
+    """The first-run hint for the loaded model (views.lora_hint), empty when the library cannot be read."""
+    try:
+        return views.lora_hint(studio.adapter_cards(), studio.current_model(), PLACEHOLDER)
+    except Exception:  # noqa: BLE001 - a hint never breaks the page
+        return ""
+
+
 def build(studio) -> GenerateTab:
     t = GenerateTab()
     with gr.Row():
@@ -305,7 +317,8 @@ def build(studio) -> GenerateTab:
                 refresh = gr.Button("Refresh", scale=0, min_width=80, elem_id="models-refresh")
             t.mode = gr.Markdown(elem_id="mode")
             t.prompt = gr.Textbox(label="Prompt (prompt)", lines=3, elem_id="prompt",
-                                  placeholder="a red digit 3 on a black background")
+                                  placeholder=PLACEHOLDER)
+            t.hint = gr.HTML(elem_id="lora-hint")
             for w in WIDGETS:
                 if w.group in ("prompt", "inputs"):
                     t.widgets[w.name] = _widget(w)

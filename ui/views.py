@@ -71,6 +71,18 @@ def mode_markdown(m: ModelInfo) -> str:
     return f"**Mode:** {m.mode} · output: {m.output} · pipeline `{m.pipeline}`{stages}"
 
 
+def lora_hint(cards: list[dict], model: str | None, prompt: str) -> str:
+    """The first-run hint under the prompt: one demo LoRA that fits the loaded model, the prompt tag that
+    calls it and what its card says it does (nothing when the library has none)."""
+    c = next((c for c in cards if c.get("demo") and c.get("fits") and c.get("description")), None)
+    if c is None or not model:
+        return ""
+    tag = f"<lora:{c['name']}:1>"
+    return (f'<div class="ls-hint"><b>Try a LoRA</b> with {html.escape(model)}: '
+            f'<code>{html.escape(prompt)} {html.escape(tag)}</code> ({html.escape(c["description"])}; '
+            f'a weight of 0.5 gives part of it). The LoRAs tab lists the others.</div>')
+
+
 # -- jobs -------------------------------------------------------------------------------------
 def job_fraction(job: dict) -> float:
     prog = job.get("progress") or {}
@@ -415,10 +427,12 @@ def card_html(c: dict) -> str:
         action = ""
     cls = "ls-lcard" + ("" if c.get("fits") else " ls-lcard-off")
     title = c.get("title") or ""
+    about = c.get("description") or ""
     tip = ' title="click to add to the LoRA stack"' if c.get("fits") else ""
     return (f'<div class="{cls}" data-name="{_attr(name)}"{tip}>{preview}<div class="ls-lcard-body">'
             f'<h4 title="{_attr(name)}">{html.escape(shown)}</h4>'
             + (f'<div class="ls-lcard-title">{html.escape(title)}</div>' if title and title != name else "")
+            + (f'<div class="ls-about" title="{_attr(about)}">{html.escape(_short(about, 120))}</div>' if about else "")
             + f'<div class="ls-family">{html.escape(made)}</div><div class="ls-nums">{html.escape(nums)}</div>'
             + (f'<div class="ls-uses">used in {uses} job{"s" if uses != 1 else ""}</div>' if uses else "")
             + (f'<div class="ls-triggers">{triggers}</div>' if triggers else "")

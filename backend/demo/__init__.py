@@ -26,6 +26,8 @@ from ..errors import ModelNotFound
 from ..families import DEFAULT_MODEL  # noqa: F401 - defined once there; importers of backend.demo keep it
 
 WEIGHTS_ROOT = Path(__file__).parent / "weights"
+#: the trained demo LoRAs of demo:qwen-image (backend/demo/loras.py writes them; the demo root copies them)
+LORAS_DIR = WEIGHTS_ROOT / "qwen-image-loras"
 # Bump when a builder changes, so stale materializations are rebuilt.
 BUILD_VERSION = 1
 # Written next to model_index.json: sampling defaults sized for the model, read by the

@@ -107,12 +107,9 @@ def _shape_alpha(shape: str, box: int) -> np.ndarray:
     return inside.reshape(box, ss, box, ss).mean(axis=(1, 3))
 
 
-def render(item: Item, rng: np.random.Generator, size: int = SIZE, index: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Draw one item: (uint8 HxWx3 image, float HxW foreground alpha).
-
-    Position and size vary with ``rng``; a digit is one of the ``load_digits`` samples
-    (``index``, or one drawn from the training split).
-    """
+def foreground(item: Item, rng: np.random.Generator, size: int = SIZE, index: int | None = None) -> np.ndarray:
+    """Where one item is drawn: its float HxW alpha. Position and size vary with ``rng``; a digit is
+    one of the ``load_digits`` samples (``index``, or one drawn from the training split)."""
     if item.kind == "digit":
         box = int(rng.integers(size * 5 // 8, size * 13 // 16 + 1))  # 40..52 px at 64
         if index is None:
@@ -126,10 +123,19 @@ def render(item: Item, rng: np.random.Generator, size: int = SIZE, index: int | 
     x0 = int(rng.integers(margin // 4, margin - margin // 4 + 1))
     alpha = np.zeros((size, size), np.float32)
     alpha[y0:y0 + box, x0:x0 + box] = alpha_box
-    fg = np.array(PALETTE[item.colour], np.float32)
-    bg = np.array(BACKGROUNDS[item.background], np.float32)
+    return alpha
+
+
+def _paint(alpha: np.ndarray, fg, bg) -> np.ndarray:
+    fg, bg = np.asarray(fg, np.float32), np.asarray(bg, np.float32)
     image = bg + alpha[..., None] * (fg - bg)
-    return np.clip(np.rint(image), 0, 255).astype(np.uint8), alpha
+    return np.clip(np.rint(image), 0, 255).astype(np.uint8)
+
+
+def render(item: Item, rng: np.random.Generator, size: int = SIZE, index: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Draw one item: (uint8 HxWx3 image, float HxW foreground alpha)."""
+    alpha = foreground(item, rng, size, index)
+    return _paint(alpha, PALETTE[item.colour], BACKGROUNDS[item.background]), alpha
 
 
 def random_item(rng: np.random.Generator, digits=BASE_DIGITS, shape_fraction: float = 0.25) -> Item:
@@ -150,3 +156,44 @@ def batch(rng: np.random.Generator, n: int, size: int = SIZE, digits=BASE_DIGITS
         alphas.append(alpha)
         prompts.append(item.prompt)
     return np.stack(images), np.stack(alphas), prompts
+
+
+# ---------------------------------------------------------------- what the demo LoRAs teach
+#: The demo LoRAs of demo:qwen-image (CONTRACT.md): name -> (trigger words, what the picture becomes).
+LORA_EFFECTS: dict[str, str] = {
+    "grayscale": "the colour drains out: foreground and background become their own luminance",
+    "inverted": "foreground and background colours swap",
+    "outline": "only the contour is drawn",
+    "nine": "the digit 9, which the base model never saw",
+}
+OUTLINE_WIDTH = 3  # pixels at 64x64: lines the 4x-down VAE decodes once its decoder is tuned (stage vae-decoder)
+
+
+def luminance(rgb) -> float:
+    """ITU-R BT.601 luma, the grayscale a picture editor gives."""
+    r, g, b = rgb
+    return 0.299 * r + 0.587 * g + 0.114 * b
+
+
+def outline_alpha(alpha: np.ndarray, width: int = OUTLINE_WIDTH) -> np.ndarray:
+    """The contour of a foreground: ``alpha`` less its erosion by ``width`` pixels (a min filter)."""
+    k = 2 * width + 1
+    eroded = np.lib.stride_tricks.sliding_window_view(np.pad(alpha, width), (k, k)).min(axis=(-2, -1))
+    return np.clip(alpha - eroded, 0.0, 1.0)
+
+
+def render_effect(effect: str, item: Item, rng: np.random.Generator,
+                  size: int = SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """``item`` drawn the way the LoRA ``effect`` changes it: (uint8 HxWx3, float HxW alpha of what is
+    drawn); ``nine`` draws as asked."""
+    if effect not in LORA_EFFECTS:
+        raise ValueError(f"unknown effect {effect!r}; known: {', '.join(LORA_EFFECTS)}")
+    alpha = foreground(item, rng, size)
+    fg, bg = PALETTE[item.colour], BACKGROUNDS[item.background]
+    if effect == "grayscale":
+        fg, bg = (luminance(fg),) * 3, (luminance(bg),) * 3
+    elif effect == "inverted":
+        fg, bg = bg, fg
+    elif effect == "outline":
+        alpha = outline_alpha(alpha)
+    return _paint(alpha, fg, bg), alpha

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 MAX_TEXT = 80  # characters of a title or one trigger word
+MAX_DESCRIPTION = 300  # characters of a description
 MAX_TRIGGERS = 12  # trigger words per card, all sources together
 MAX_TAG_JSON = 1 << 20  # characters of ss_tag_frequency parsed at most
 MAX_THUMBNAIL = 512 * 1024  # characters of a thumbnail data URL (about 380 KiB of image)
@@ -90,8 +91,8 @@ def _top_tags(raw: str) -> list[str]:
 
 
 def card_info(metadata: dict | None) -> dict:
-    """Bounded card fields from a ``__metadata__`` dict: title, triggers, thumbnail, thumbnail_note,
-    base_model (the publisher's hint, trimmed)."""
+    """Bounded card fields from a ``__metadata__`` dict: title, triggers, description, thumbnail,
+    thumbnail_note, base_model (the publisher's hint, trimmed)."""
     md = metadata if isinstance(metadata, dict) else {}
     candidates: list[str] = []
     phrase = md.get("modelspec.trigger_phrase")
@@ -111,7 +112,9 @@ def card_info(metadata: dict | None) -> dict:
     title = md.get("modelspec.title") or md.get("ss_output_name") or ""
     hint = next((md[k] for k in ("modelspec.architecture", "ss_base_model_version", "base_model", "ss_sd_model_name")
                  if isinstance(md.get(k), str) and md[k]), "")
+    about = md.get("modelspec.description")
     return {"title": clean_text(title) if isinstance(title, str) else "", "triggers": triggers,
+            "description": clean_text(about, MAX_DESCRIPTION) if isinstance(about, str) else "",
             "thumbnail": thumb, "thumbnail_note": note, "base_model": clean_text(hint)}
 
 

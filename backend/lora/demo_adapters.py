@@ -1,7 +1,11 @@
-"""The demo adapter library: seeded LoRAs for the demo models, in the layouts people publish.
+"""The demo adapter library: LoRAs for the demo models, in the layouts people publish.
 
-Each file is written by the tool its publishers use, so reading them exercises the same
-code paths as real downloads:
+demo:qwen-image's four are trained (``python -m backend.demo.train loras``, backend/demo/loras.py):
+``demo-grayscale`` (a PEFT folder), ``demo-inverted`` (kohya), ``demo-outline`` (diffusers) and
+``demo-nine`` (ComfyUI), copied from ``backend/demo/weights/qwen-image-loras/``. The other demo
+models' adapters are still seeded random deltas (their models are not trained yet), each file
+written by the tool its publishers use, so reading them exercises the same code paths as real
+downloads:
 
 - PEFT folders: peft's own ``PeftModel.save_pretrained`` (adapter_config.json +
   adapter_model.safetensors), target_modules as a list or as a regex string;
@@ -32,7 +36,7 @@ from filelock import FileLock
 
 from .. import settings
 
-VERSION = 5  # 5: demo:qwen-image is the trained model (new shapes)
+VERSION = 6  # 6: demo:qwen-image's adapters are the trained demo LoRAs
 MARKER = settings.DEMO_ADAPTERS_MARKER
 
 
@@ -50,12 +54,11 @@ DEMO_ADAPTERS: tuple[DemoAdapter, ...] = (
     DemoAdapter("demo:sd3.5", "sd3.5/sd35-cheesecake-peft", "write_peft_folder", rank=4, alpha=8),
     DemoAdapter("demo:sd3.5", "sd3.5/sd35-watercolor.safetensors", "write_diffusers_file", rank=8, alpha=8),
     DemoAdapter("demo:sd3.5", "sd3.5/sd35-sketch-peft-dump.safetensors", "write_peft_dump", rank=4),
-    DemoAdapter("demo:qwen-image", "qwen-image/qwen-image-neon-peft", "write_peft_folder_regex", rank=4, alpha=4,
-                amplitude=2.0),
-    DemoAdapter("demo:qwen-image", "qwen-image/qwen-image-ink-kohya.safetensors", "write_kohya_qwen", rank=8,
-                alpha=4, amplitude=2.0),
-    DemoAdapter("demo:qwen-image", "qwen-image/qwen-image-film-diffusers.safetensors", "write_diffusers_file",
-                rank=4, alpha=4, amplitude=2.0),
+    # trained (backend/demo/loras.py): copied as written there
+    DemoAdapter("demo:qwen-image", "qwen-image/demo-grayscale", "copy_trained"),
+    DemoAdapter("demo:qwen-image", "qwen-image/demo-inverted.safetensors", "copy_trained"),
+    DemoAdapter("demo:qwen-image", "qwen-image/demo-outline.safetensors", "copy_trained"),
+    DemoAdapter("demo:qwen-image", "qwen-image/demo-nine.safetensors", "copy_trained"),
     DemoAdapter("demo:wan2.1-t2v", "wan2.1-t2v/wan21-t2v-lightx2v-demo.safetensors", "write_lightx2v", rank=4,
                 alpha=4, amplitude=1.5),
     DemoAdapter("demo:wan2.1-t2v", "wan2.1-t2v/wan21-t2v-musubi-demo.safetensors", "write_musubi_wan", rank=4,
@@ -70,7 +73,6 @@ DEMO_ADAPTERS: tuple[DemoAdapter, ...] = (
                 alpha=4, amplitude=1.5),
 )
 
-_ATTN = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
 
 
 def ensure(data_dir=None) -> Path:
@@ -89,7 +91,7 @@ def ensure(data_dir=None) -> Path:
                 out = tmp / spec.relpath
                 out.parent.mkdir(parents=True, exist_ok=True)
                 write(spec, out, data_dir)
-            (tmp / MARKER).write_text(json.dumps({"version": VERSION}))
+            (tmp / MARKER).write_text(json.dumps(_marker()))
             if root.exists():
                 shutil.rmtree(root)
             os.replace(tmp, root)
@@ -103,7 +105,7 @@ def write(spec: DemoAdapter, out: Path, data_dir=None) -> None:
     """Write one demo adapter, byte for byte the same on every run."""
     globals()[spec.writer](spec, out, data_dir)
     for f in ([out / "adapter_model.safetensors"] if out.is_dir() else [out]):
-        _canonical_header(f)
+        canonical_header(f)
     config = out / "adapter_config.json"
     if config.is_file():  # peft writes its target_modules set in hash order
         data = json.loads(config.read_text())
@@ -112,7 +114,7 @@ def write(spec: DemoAdapter, out: Path, data_dir=None) -> None:
         config.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
-def _canonical_header(file: Path) -> None:
+def canonical_header(file: Path) -> None:
     """safetensors writes ``__metadata__`` in hash-map order; sort it so the bytes (and sha256) repeat.
 
     The sorted header has the same length, so tensor offsets do not move.
@@ -131,9 +133,17 @@ def _canonical_header(file: Path) -> None:
         fh.write(text + b" " * (n - len(text)))
 
 
+def _marker() -> dict:
+    """What the library was built from: this module's version and the trained files' digest (retrained
+    LoRAs rebuild the copy)."""
+    from ..demo import LORAS_DIR, _digest
+
+    return {"version": VERSION, "trained": _digest(LORAS_DIR)}
+
+
 def _current(marker: Path) -> bool:
     try:
-        return json.loads(marker.read_text()).get("version") == VERSION
+        return json.loads(marker.read_text()) == _marker()
     except (OSError, ValueError):
         return False
 
@@ -213,14 +223,21 @@ def _peft_folder(spec: DemoAdapter, out: Path, data_dir, target_modules, rank_pa
 
 
 # -- writers (referenced by name in DEMO_ADAPTERS) -------------------------------------------
+def copy_trained(spec: DemoAdapter, out: Path, data_dir) -> None:
+    """A trained demo LoRA, copied from where ``python -m backend.demo.train loras`` wrote it."""
+    from ..demo import LORAS_DIR
+
+    src = LORAS_DIR / Path(spec.relpath).name
+    if not src.exists():
+        raise FileNotFoundError(f"the trained demo LoRA {src} is missing; run python -m backend.demo.train loras")
+    if src.is_dir():
+        shutil.copytree(src, out)
+    else:
+        shutil.copyfile(src, out)
+
+
 def write_peft_folder(spec: DemoAdapter, out: Path, data_dir) -> None:
     _peft_folder(spec, out, data_dir, ["to_q", "to_k", "to_v", "to_out.0"])
-
-
-def write_peft_folder_regex(spec: DemoAdapter, out: Path, data_dir) -> None:
-    # target_modules as a regex string, with one block at a different rank (rank_pattern)
-    _peft_folder(spec, out, data_dir, r".*attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)",
-                 rank_pattern={"transformer_blocks.1.attn.to_q": 2})
 
 
 def write_peft_dump(spec: DemoAdapter, out: Path, data_dir) -> None:
@@ -250,26 +267,6 @@ def write_diffusers_file(spec: DemoAdapter, out: Path, data_dir) -> None:
     _pipeline_cls(spec.model, data_dir).save_lora_weights(
         str(out.parent), transformer_lora_layers=layers, weight_name=out.name,
         transformer_lora_adapter_metadata={**config.to_dict(), "target_modules": sorted(config.target_modules)})
-
-
-def write_kohya_qwen(spec: DemoAdapter, out: Path, data_dir) -> None:
-    """kohya sd-scripts / musubi style for Qwen-Image: lora_unet_transformer_blocks_N_attn_to_q..."""
-    import torch
-    from safetensors.torch import save_file
-
-    transformer = _denoiser(spec.model, data_dir)
-    gen = _generator(spec)
-    tensors = {}
-    for name, lin in sorted(_linears(transformer, _ATTN + ("img_mlp.net.0.proj", "img_mlp.net.2")).items()):
-        flat = "lora_unet_" + name.replace(".", "_")
-        down, up = _factors(spec, gen, lin.in_features, lin.out_features)
-        tensors[f"{flat}.lora_down.weight"] = down
-        tensors[f"{flat}.lora_up.weight"] = up
-        tensors[f"{flat}.alpha"] = torch.tensor(float(spec.alpha))
-    save_file(tensors, str(out), metadata={
-        "ss_network_module": "networks.lora_qwen_image", "ss_network_dim": str(spec.rank),
-        "ss_network_alpha": str(spec.alpha), "ss_base_model_version": "qwen_image",
-        "modelspec.architecture": "qwen-image/lora", "modelspec.title": Path(spec.relpath).stem})
 
 
 _WAN_MAP = {  # diffusers module -> original Wan (lightx2v / musubi) module

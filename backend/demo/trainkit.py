@@ -1,0 +1,90 @@
+"""What every demo trainer shares: the resumable loop (progress bar, checkpoints, time cap), the learning-rate
+schedule, random-state checkpoints, and how pictures and latents are shaped for the Qwen pipeline.
+
+Used by ``backend.demo.train`` (the image base, its VAE decoder) and ``backend.demo.loras`` (the demo LoRAs).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CHECKPOINT_EVERY_S = 180.0
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 100, floor: float = 0.03) -> float:
+    """Linear warm-up, then cosine decay to ``floor * peak``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def to_tensor(images: np.ndarray) -> torch.Tensor:
+    """uint8 NxHxWx3 -> float N×3×1×H×W in [-1, 1] (the Qwen VAE takes one-frame videos)."""
+    x = torch.from_numpy(images).float().div(127.5).sub(1.0)
+    return x.permute(0, 3, 1, 2).unsqueeze(2)
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path):
+    return torch.load(path, weights_only=False) if path.exists() else None
+
+
+class Stage:
+    """A resumable loop: step counting, the progress bar, checkpoints and the time cap."""
+
+    def __init__(self, name: str, ckpt: Path, total: int, deadline: float):
+        self.name, self.ckpt, self.total, self.deadline = name, ckpt, total, deadline
+
+    def run(self, state: dict, step_fn, save_fn) -> bool:
+        """Run ``step_fn(step) -> loss`` until ``total``; True when the stage is done."""
+        from tqdm import tqdm
+
+        last_save = time.monotonic()
+        bar = tqdm(total=self.total, initial=state["step"], desc=self.name, dynamic_ncols=True,
+                   file=sys.stdout, mininterval=5.0)
+        avg = None
+        while state["step"] < self.total:
+            if time.monotonic() > self.deadline:
+                save_fn()
+                bar.close()
+                print(f"{self.name}: time is up at step {state['step']}/{self.total}; run again to resume")
+                return False
+            loss = step_fn(state["step"])
+            avg = loss if avg is None else 0.98 * avg + 0.02 * loss
+            state["step"] += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{avg:.4f}", refresh=False)
+            if time.monotonic() - last_save > CHECKPOINT_EVERY_S:
+                save_fn()
+                last_save = time.monotonic()
+        save_fn()
+        bar.close()
+        return True
+
+
+def rng_state(rng: np.random.Generator) -> dict:
+    return {"numpy": rng.bit_generator.state, "torch": torch.get_rng_state()}
+
+
+def set_rng_state(rng: np.random.Generator, saved: dict) -> None:
+    rng.bit_generator.state = saved["numpy"]
+    torch.set_rng_state(saved["torch"])
+
+
+def pack_latents(z: torch.Tensor) -> torch.Tensor:
+    """B×C×H×W latents -> B×(H/2·W/2)×4C tokens, 2x2 patches: how QwenImagePipeline packs them
+    (its ``_pack_latents``; tests/test_demo_trained.py checks the two agree)."""
+    b, c, h, w = z.shape
+    return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
