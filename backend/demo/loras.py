@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import LORAS_DIR, WEIGHTS_ROOT, data
 
@@ -159,8 +158,8 @@ def train_one(spec: DemoLora, plan: LoraPlan, work: Path, out_dir: Path, deadlin
     """Train one LoRA (resuming from its checkpoint) and write it; False when the time ran out first."""
     from peft import get_peft_model
 
-    from .trainkit import (Stage, load_checkpoint, lr_at, pack_latents, rng_state, save_checkpoint,
-                           set_rng_state)
+    from .trainkit import (Stage, flow_matching_loss, lr_at, optimizer_step, pack_latents, resume, rng_state,
+                           save_checkpoint)
 
     work.mkdir(parents=True, exist_ok=True)
     pipe = _pipeline()
@@ -174,12 +173,8 @@ def train_one(spec: DemoLora, plan: LoraPlan, work: Path, out_dir: Path, deadlin
     rng = np.random.default_rng(plan.seed + 500)
     state = {"step": 0}
     ckpt = work / "lora.pt"
-    saved = load_checkpoint(ckpt)
+    saved = resume(ckpt, opt, rng, state, lambda saved: model.load_state_dict(saved["lora"], strict=False))
     if saved is not None:
-        model.load_state_dict(saved["lora"], strict=False)
-        opt.load_state_dict(saved["opt"])
-        state["step"] = saved["step"]
-        set_rng_state(rng, saved["rng"])
         print(f"{spec.name}: resuming at step {state['step']}/{plan.steps}")
     vae_cfg = pipe.vae.config
     mean = torch.tensor(vae_cfg.latents_mean).view(1, -1, 1, 1)
@@ -200,29 +195,17 @@ def train_one(spec: DemoLora, plan: LoraPlan, work: Path, out_dir: Path, deadlin
                 text.append(with_trigger(prompts[j], spec.trigger, rng))
             else:
                 text.append(prompts[j])
-        b = len(text)
         x0 = pack_latents((latents[pick].float() - mean) / std)
         with torch.no_grad():
             embeds, mask = pipe.encode_prompt(text, device=torch.device("cpu"))
-        sigma = torch.sigmoid(torch.randn(b)).view(b, 1, 1)
-        noise = torch.randn_like(x0)
-        xt = (1 - sigma) * x0 + sigma * noise
-        pred = model(hidden_states=xt, timestep=sigma.view(b), encoder_hidden_states=embeds,
-                     encoder_hidden_states_mask=mask, img_shapes=[[(1, lat // 2, lat // 2)]] * b,
-                     return_dict=False)[0]
-        loss = F.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        return float(loss.detach())
+        return optimizer_step(opt, flow_matching_loss(model, x0, embeds, mask, lat), params)
 
     def lora_state():
         return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
 
     def save():
         save_checkpoint(ckpt, {"lora": lora_state(), "opt": opt.state_dict(), "step": state["step"],
-                     "rng": rng_state(rng), "plan": asdict(plan)})
+                               "rng": rng_state(rng), "plan": asdict(plan)})
 
     started = time.monotonic()
     done = Stage(spec.name, ckpt, plan.steps, deadline).run(state, step, save)

@@ -28,12 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .. import settings
 from . import data
-from .trainkit import (Stage, load_checkpoint, lr_at, pack_latents, rng_state,  # noqa: F401 - pack_latents: tests
-                       save_checkpoint, set_rng_state, to_tensor)
+from .trainkit import (Stage, flow_matching_loss, load_checkpoint, lr_at, optimizer_step,  # noqa: F401
+                       pack_latents, resume, rng_state, save_checkpoint, to_tensor)  # pack_latents: the tests
 
 WEIGHTS_ROOT = Path(__file__).parent / "weights"  # the same folder as backend.demo.WEIGHTS_ROOT
 @dataclass
@@ -73,12 +72,8 @@ def train_qwen_vae(plan: QwenPlan, work: Path, deadline: float):
     opt = torch.optim.AdamW(vae.parameters(), lr=plan.vae_lr, weight_decay=0.0)
     rng = np.random.default_rng(plan.seed)
     state = {"step": 0}
-    saved = load_checkpoint(ckpt)
+    saved = resume(ckpt, opt, rng, state, lambda saved: vae.load_state_dict(saved["model"]))
     if saved is not None:
-        vae.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state["step"] = saved["step"]
-        set_rng_state(rng, saved["rng"])
         if state["step"] >= plan.vae_steps:
             return vae.eval(), True
         print(f"vae: resuming at step {state['step']}/{plan.vae_steps}")
@@ -88,12 +83,7 @@ def train_qwen_vae(plan: QwenPlan, work: Path, deadline: float):
         for group in opt.param_groups:
             group["lr"] = lr_at(i, plan.vae_steps, plan.vae_lr)
         images, alphas, _ = data.batch(rng, plan.vae_batch, plan.size)
-        loss = _vae_loss(vae, to_tensor(images), torch.from_numpy(alphas))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        return float(loss.detach())
+        return optimizer_step(opt, _vae_loss(vae, to_tensor(images), torch.from_numpy(alphas)), vae.parameters())
 
     def save():
         save_checkpoint(ckpt, {"model": vae.state_dict(), "opt": opt.state_dict(), "step": state["step"],
@@ -181,12 +171,7 @@ def tune_vae_decoder(plan: DecoderPlan, work: Path, weights: Path, minutes: floa
     rng = np.random.default_rng(plan.seed + 600)
     state = {"step": 0}
     ckpt = work / "decoder.pt"
-    saved = load_checkpoint(ckpt)
-    if saved is not None:
-        vae.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state["step"] = saved["step"]
-        set_rng_state(rng, saved["rng"])
+    if resume(ckpt, opt, rng, state, lambda saved: vae.load_state_dict(saved["model"])) is not None:
         print(f"vae decoder: resuming at step {state['step']}/{plan.steps}")
     before = decoder_report(vae, plan)
     print(f"vae decoder before: {before}")
@@ -202,12 +187,7 @@ def tune_vae_decoder(plan: DecoderPlan, work: Path, weights: Path, minutes: floa
         rec = vae.decode(z).sample
         weight = 1.0 + 4.0 * torch.from_numpy(alphas)[:, None, None]
         err = rec - x
-        loss = (weight * err.pow(2)).mean() + (weight * err.abs()).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        return float(loss.detach())
+        return optimizer_step(opt, (weight * err.pow(2)).mean() + (weight * err.abs()).mean(), params)
 
     def save():
         save_checkpoint(ckpt, {"model": vae.state_dict(), "opt": opt.state_dict(), "step": state["step"],
@@ -309,15 +289,13 @@ def train_qwen_transformer(plan: QwenPlan, work: Path, vae, stats: dict, deadlin
     opt = torch.optim.AdamW(params, lr=plan.transformer_lr, weight_decay=0.01)
     rng = np.random.default_rng(plan.seed + 100)
     state = {"step": 0}
-    saved = load_checkpoint(ckpt)
-    if saved is not None:
+    def load(saved):
         tr.load_state_dict(saved["transformer"])
         te.load_state_dict(saved["text_encoder"])
-        opt.load_state_dict(saved["opt"])
         for e, s in zip(ema, saved["ema"]):
             e.copy_(s)
-        state["step"] = saved["step"]
-        set_rng_state(rng, saved["rng"])
+
+    if resume(ckpt, opt, rng, state, load) is not None:
         print(f"transformer: resuming at step {state['step']}/{plan.transformer_steps}")
     mean = torch.tensor(stats["latents_mean"]).view(1, 4, 1, 1)
     std = torch.tensor(stats["latents_std"]).view(1, 4, 1, 1)
@@ -331,26 +309,14 @@ def train_qwen_transformer(plan: QwenPlan, work: Path, vae, stats: dict, deadlin
             group["lr"] = lr_at(i, plan.transformer_steps, plan.transformer_lr, warmup=200)
         pick = torch.from_numpy(rng.integers(0, len(pool_prompts), plan.transformer_batch))
         prompts = [plan.uncond if rng.random() < plan.cond_dropout else pool_prompts[j] for j in pick.tolist()]
-        b = len(prompts)
-        z = (pool[pick].float() - mean) / std
-        x0 = pack_latents(z)
+        x0 = pack_latents((pool[pick].float() - mean) / std)
         embeds, mask = pipe.encode_prompt(prompts, device=torch.device("cpu"))  # as the pipeline encodes them
-        sigma = torch.sigmoid(torch.randn(b)).view(b, 1, 1)
-        noise = torch.randn_like(x0)
-        xt = (1 - sigma) * x0 + sigma * noise
-        pred = tr(hidden_states=xt, timestep=sigma.view(b), encoder_hidden_states=embeds,
-                  encoder_hidden_states_mask=mask, img_shapes=[[(1, lat // 2, lat // 2)]] * b,
-                  return_dict=False)[0]
-        loss = F.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss = optimizer_step(opt, flow_matching_loss(tr, x0, embeds, mask, lat), params)
         with torch.no_grad():
             decay = min(plan.ema, (1 + i) / (10 + i))
             for e, p in zip(ema, params):
                 e.lerp_(p.detach(), 1 - decay)
-        return float(loss.detach())
+        return loss
 
     def save():
         save_checkpoint(ckpt, {"transformer": tr.state_dict(), "text_encoder": te.state_dict(), "opt": opt.state_dict(),

@@ -88,3 +88,40 @@ def pack_latents(z: torch.Tensor) -> torch.Tensor:
     (its ``_pack_latents``; tests/test_demo_trained.py checks the two agree)."""
     b, c, h, w = z.shape
     return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def resume(ckpt: Path, opt, rng: np.random.Generator, state: dict, load_model) -> dict | None:
+    """Restore a run from its checkpoint, if there is one: ``load_model(saved)`` puts the model's weights
+    back, then the optimizer, the step count and the random state. Returns what was saved (or None)."""
+    saved = load_checkpoint(ckpt)
+    if saved is not None:
+        load_model(saved)
+        opt.load_state_dict(saved["opt"])
+        state["step"] = saved["step"]
+        set_rng_state(rng, saved["rng"])
+    return saved
+
+
+def flow_matching_loss(transformer, x0: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+                       latent_side: int) -> torch.Tensor:
+    """Rectified-flow loss of a Qwen-Image transformer on packed latents ``x0``: noise at a logit-normal
+    sigma, predict the velocity ``noise - x0`` (the pipeline's FlowMatchEulerDiscreteScheduler samples it)."""
+    import torch.nn.functional as F
+
+    b = x0.shape[0]
+    sigma = torch.sigmoid(torch.randn(b)).view(b, 1, 1)
+    noise = torch.randn_like(x0)
+    xt = (1 - sigma) * x0 + sigma * noise
+    half = latent_side // 2
+    pred = transformer(hidden_states=xt, timestep=sigma.view(b), encoder_hidden_states=embeds,
+                       encoder_hidden_states_mask=mask, img_shapes=[[(1, half, half)]] * b, return_dict=False)[0]
+    return F.mse_loss(pred, noise - x0)
+
+
+def optimizer_step(opt, loss: torch.Tensor, params, clip: float = 1.0) -> float:
+    """Backward, clip the gradient norm, step; the loss as a float."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    return float(loss.detach())
