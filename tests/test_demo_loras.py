@@ -182,6 +182,8 @@ def test_the_cards_carry_trigger_words_and_a_description(root):
         card = header_card(root / spec.file)
         assert card["triggers"] == [spec.trigger] and card["title"] == spec.name, card
         assert card["description"] == spec.description, card
+        # the preview the LoRA browser shows: drawn with the LoRA on its example prompt (loras --previews)
+        assert card["thumbnail"].startswith("data:image/png;base64,") and card["thumbnail_note"] is None, card
 
 
 def test_a_prompt_tag_over_http_drains_the_colour_by_its_weight(data_dir, demo_path, tmp_path_factory):

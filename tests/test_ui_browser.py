@@ -189,3 +189,36 @@ def test_the_placeholder_prompt_draws_what_it_says(browser, app):  # noqa: F811
         shot(page, "generate-placeholder-prompt")
     finally:
         page.close()
+
+
+def test_the_first_run_hint_names_a_lora_that_does_what_it_says(browser, app):  # noqa: F811
+    """The hint under the prompt names a demo LoRA and the prompt that calls it; typed as it says (the
+    model's defaults), the picture has the effect the hint promises: demo-grayscale drains the colour."""
+    import io
+    import re
+
+    import httpx
+    from PIL import Image
+
+    from oracles import chroma, read
+
+    page = open_page(browser, app)
+    try:
+        hint = page.locator("#lora-hint .ls-hint")
+        wait_for("the LoRA hint", lambda: hint.count() == 1 and "<lora:" in hint.inner_text())
+        text = hint.locator("code").inner_text()
+        assert text == "a red digit 3 on a black background <lora:demo-grayscale:1>", text
+        assert "colour drains out" in hint.inner_text()
+        page.locator("#prompt textarea").fill(text)
+        page.locator("#generate-btn").click()
+        job = page.locator("#gen-status .ls-job")
+        wait_for("the job to succeed", lambda: job.count() and job.get_attribute("data-status") == "succeeded")
+        src = page.locator("#result-image img").get_attribute("src")
+        image = Image.open(io.BytesIO(httpx.get(src if re.match(r"https?://", src) else app.url + src.lstrip("/"),
+                                                timeout=30).content)).convert("RGB")
+        # a red digit, drained: a grey foreground on black (the base draws it at a saturation of 30-40)
+        assert chroma(image) < 10 and read(image).background == "black" and read(image).foreground > 0.05, \
+            (chroma(image), read(image))
+        shot(page, "generate-lora-hint")
+    finally:
+        page.close()
