@@ -24,6 +24,14 @@ def test_listing_shows_fit_for_the_model(library, data_dir, tmp_path):
         assert rows[name]["fits"] is (spec.model == "demo:qwen-image"), (name, rows[name]["fit"])
         assert rows[name]["size_bytes"] > 0 and len(rows[name]["sha256"]) == 64
     assert rows["demo-inverted"]["fit"].startswith("fits (transformer: 40 layers")
+    # what each targets, the block index folded (the Adapters tab's "targets" column): kohya's flat names,
+    # a PEFT folder's and a ComfyUI file's dotted paths, ten kinds of projection each
+    kinds = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+             "attn.to_out.0", "attn.to_q", "attn.to_v", "img_mlp.net.0.proj", "img_mlp.net.2"]
+    for name in ("demo-grayscale", "demo-outline", "demo-nine"):
+        assert sorted(rows[name]["targets"]) == kinds, (name, rows[name]["targets"])
+    assert "attn_to_q" in rows["demo-inverted"]["targets"] and len(rows["demo-inverted"]["targets"]) == 10
+    assert rows["old"]["targets"] == []
     # a foreign adapter's shapes are named, both sides
     assert "adapter (8, 32) vs model (8, 128)" in rows["sd35-watercolor"]["fit"]
     assert "pickle" in rows["old"]["fit"] and rows["old"]["fits"] is False

@@ -55,6 +55,8 @@ def test_import_add_generate_with_progress(page, app, lora_files):  # noqa: F811
     message = upload_adapter(page, lora_files["style"], "ui-style")
     assert "imported" in message, message
     expect(page.locator("#adapters-table")).to_contain_text("ui-style")
+    # the targets column says what each adapter targets, block indices folded (it was empty for every adapter)
+    expect(page.locator("#adapters-table")).to_contain_text("attn.to_q")
     shot(page, "adapters")
 
     open_tab(page, "Generate")

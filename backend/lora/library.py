@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -224,6 +225,7 @@ def library_rows(model: str | None = None, adapter_dirs=None, data_dir=None) -> 
                "rank": rec.rank if rec else "-", "alpha": _num(rec.alpha) if rec else "-",
                "size": _size(rec.size_bytes) if rec else "-", "size_bytes": rec.size_bytes if rec else 0,
                "sha256": rec.sha256 if rec else "", "base_model": (rec.base_model or "") if rec else "",
+               "targets": target_kinds(rec.target_modules) if rec else [],
                "usable": entry.error is None, "error": entry.error,
                "demo": demo_root is not None and Path(entry.path).is_relative_to(demo_root)}
         if entry.error:
@@ -270,6 +272,23 @@ def format_rows(rows: list[dict]) -> str:
     widths[-1] = len(cols[-1])  # the last column runs free
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
     return "\n".join([line(cols)] + [line(c) for c in cells])
+
+
+_INDEX = re.compile(r"(?:^|[._])\d+(?:[._]|$)")
+
+
+def target_kinds(modules) -> list[str]:
+    """The kinds of layer an adapter targets, in file order, the block index folded (what follows the first
+    number): ``transformer_blocks.0.attn.to_q`` and ``...1.attn.to_q`` are ``attn.to_q``, ``...0.ff.net.2`` is
+    ``ff.net.2``; kohya's ``lora_unet_transformer_blocks_0_attn_to_q`` is ``attn_to_q``; a module outside
+    numbered blocks keeps its whole path."""
+    kinds: list[str] = []
+    for module in map(str, modules):
+        m = _INDEX.search(module)
+        kind = module[m.end():] if m and m.end() < len(module) else module
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds
 
 
 def _num(x) -> str:
