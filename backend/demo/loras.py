@@ -239,6 +239,18 @@ def _factors(model, b_factor: float = 1.0) -> dict[str, dict[str, torch.Tensor]]
     return dict(sorted(out.items()))
 
 
+def _weights_file(path: Path) -> Path:
+    return path / "adapter_model.safetensors" if path.is_dir() else path
+
+
+def _settle(file: Path) -> None:
+    """The written file as it ships: its header in canonical order (same bytes every run), readable by all."""
+    from ..lora.demo_adapters import canonical_header  # loras -> demo_adapters, never back
+
+    canonical_header(file)
+    file.chmod(0o644)
+
+
 def _rewrite_metadata(file: Path, extra: dict) -> None:
     """Add ``extra`` to a safetensors file's ``__metadata__`` (the tools below do not take free metadata)."""
     from safetensors import safe_open
@@ -304,11 +316,7 @@ def export(spec: DemoLora, model, config, out_dir: Path, record: dict) -> Path:
         save_file(tensors, str(out), metadata={**meta, "format": "pt"})
     else:
         raise ValueError(f"{spec.name}: unknown layout {spec.layout!r}")
-    from ..lora.demo_adapters import canonical_header  # loras -> demo_adapters, never back
-
-    for f in ([out / "adapter_model.safetensors"] if out.is_dir() else [out]):
-        canonical_header(f)
-        f.chmod(0o644)
+    _settle(_weights_file(out))
     records = out_dir / "training.json"
     allrec = json.loads(records.read_text()) if records.is_file() else {}
     allrec[spec.name] = record
@@ -324,7 +332,6 @@ def embed_previews(names: list[str], out_dir: Path, seed: int = 1) -> None:
     import tempfile
 
     from .. import LoRARequest, Omni
-    from ..lora.demo_adapters import canonical_header
 
     with tempfile.TemporaryDirectory() as home:
         omni = Omni(model="demo:qwen-image", data_dir=home, device="cpu")
@@ -336,10 +343,9 @@ def embed_previews(names: list[str], out_dir: Path, seed: int = 1) -> None:
             buf = io.BytesIO()
             image.resize((128, 128)).save(buf, format="PNG", optimize=True)
             url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-            file = path / "adapter_model.safetensors" if path.is_dir() else path
+            file = _weights_file(path)
             _rewrite_metadata(file, {"modelspec.thumbnail": url})
-            canonical_header(file)
-            file.chmod(0o644)
+            _settle(file)
             print(f"{name}: preview embedded ({spec.example!r}, seed {seed})")
 
 

@@ -221,11 +221,10 @@ def decoder_report(vae, plan: DecoderPlan) -> dict:
     out, n = {}, plan.report_pictures
     for effect in ("ordinary", *(e for e in data.LORA_EFFECTS if e != "nine")):
         rng = np.random.default_rng(4242)
-        share = 0.0 if effect == "ordinary" else 1.0
         images = []
         for _ in range(n):
             item = data.random_item(rng, digits=tuple(range(10)))
-            images.append(data.render(item, rng)[0] if share == 0.0 else data.render_effect(effect, item, rng)[0])
+            images.append((data.render(item, rng) if effect == "ordinary" else data.render_effect(effect, item, rng))[0])
         x = to_tensor(np.stack(images))
         mse = np.mean([(vae.decode(vae.encode(x[i:i + 32]).latent_dist.mode()).sample.clamp(-1, 1)
                         - x[i:i + 32]).pow(2).mean().item() for i in range(0, n, 32)])
