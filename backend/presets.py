@@ -396,7 +396,8 @@ def resolve_files(preset: Preset, model_id: str, data_dir=None, adapter_dirs=Non
 def list_presets(data_dir=None, adapter_dirs=None, hf_cache_dir=None) -> list[dict]:
     """Rows for ``app.py presets`` and the UI: each preset, and per file whether it is present.
 
-    For the demo model the stand-ins are reported as generated on use (they always are).
+    For the demo model the files are reported as written on use (they always are), each a trained
+    distill or a seeded stand-in (``demo_kind``).
     """
     rows = []
     for preset in load_presets():
@@ -409,11 +410,22 @@ def list_presets(data_dir=None, adapter_dirs=None, hf_cache_dir=None) -> list[di
             "files": [{"component": loc.file.component, "repo": loc.file.repo, "pattern": loc.file.pattern,
                        "present": loc.path is not None, "path": str(loc.path) if loc.path else None,
                        "where": loc.where, "demo": loc.file.demo,
+                       "demo_kind": _demo_kind(preset, loc.file.demo),
                        "candidates": [str(c) for c in loc.candidates],
                        "choice": _choices(loc) if loc.candidates else None} for loc in located],
             "ready": bool(located) and all(loc.path is not None for loc in located),
         })
     return rows
+
+
+def _demo_kind(preset: Preset, filename: str | None) -> str | None:
+    """What a demo model is served under this name: a distill trained here, or a seeded stand-in."""
+    if not filename or not preset.demo_models:
+        return None
+    from .demo import DISTILL_DIRS
+
+    trained = any((DISTILL_DIRS[m] / filename).is_file() for m in preset.demo_models if m in DISTILL_DIRS)
+    return "trained distill" if trained else "seeded stand-in"
 
 
 def _choices(loc: Located) -> str:
@@ -443,7 +455,8 @@ def format_rows(rows: list[dict]) -> str:
             if f.get("choice"):
                 lines.append(f"    {f['choice']}")
         if any(f["demo"] for f in row["files"]):
-            lines.append(f"  demo stand-in(s), generated on use: {', '.join(f['demo'] for f in row['files'])}")
+            files = ", ".join(f"{f['demo']} ({f.get('demo_kind') or 'seeded stand-in'})" for f in row["files"])
+            lines.append(f"  demo file(s), written on use: {files}")
     return "\n".join(lines)
 
 

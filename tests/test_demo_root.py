@@ -172,7 +172,7 @@ num_inference_steps = 4
     row = {"id": preset.id, "title": preset.title, "pipeline": preset.pipeline, "models": list(preset.models),
            "defaults": preset.defaults, "requirements": preset.requirements, "ready": False,
            "files": [{"component": "transformer", "repo": "r/x", "pattern": "p", "present": False, "demo": None}]}
-    assert "demo stand-in" not in format_rows([row])
+    assert "demo file" not in format_rows([row])
     # a preset that names a demo model still needs the stand-in's name for it
     path.write_text(text.format(id="real-only", models='"Qwen/Qwen-Image-2512", "demo:qwen-image"'))
     with pytest.raises(PresetError, match=r"real-only.toml: key 'files\[0\].demo' is required"):

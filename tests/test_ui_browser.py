@@ -139,19 +139,53 @@ def test_compare_grid_is_one_batch(page):
     shot(page, "compare")
 
 
-def test_preset_picker_fuses_and_restores(page):
-    open_tab(page, "Generate")
-    page.locator("#gen-preset").get_by_text("Preset (distill").first.click()
-    pick(page, "gen-preset-pick", "qwen-image-2512-lightning-4step")
-    # before applying, the picker shows what will be fused and which files are missing
-    expect(page.locator("#gen-preset")).to_contain_text("demo stand-in")
-    page.locator("#gen-preset-apply").click()
-    expect(page.locator("#gen-preset")).to_contain_text("fused preset qwen-image-2512-lightning-4step")
-    expect(page.locator("#field-num_inference_steps input")).to_have_value("4")
-    shot(page, "generate-preset")
-    pick(page, "gen-preset-pick", "(none: base weights)")
-    page.locator("#gen-preset-apply").click()
-    expect(page.locator("#gen-preset")).to_contain_text("restored the base weights")
+def test_preset_picker_fuses_and_restores(browser, app):  # noqa: F811
+    """The Lightning preset from the picker: fused, its 4 steps in the form, and (#39) its 4 steps at CFG 1
+    draw the prompt recognisably (the trained distill; read by the oracles); then back to base. A page of
+    its own: the shared one carries an earlier test's LoRA stack and fields."""
+    import io
+    import re
+
+    import httpx
+    from PIL import Image
+
+    from oracles import read
+
+    page = open_page(browser, app)
+    try:
+        open_tab(page, "Generate")
+        page.locator("#gen-preset").get_by_text("Preset (distill").first.click()
+        pick(page, "gen-preset-pick", "qwen-image-2512-lightning-4step")
+        # before applying, the picker shows what will be fused and which files are missing
+        expect(page.locator("#gen-preset")).to_contain_text("demo file (trained distill)")
+        page.locator("#gen-preset-apply").click()
+        expect(page.locator("#gen-preset")).to_contain_text("fused preset qwen-image-2512-lightning-4step")
+        expect(page.locator("#field-num_inference_steps input")).to_have_value("4")
+        page.locator("#prompt textarea").fill("a red digit 3 on a black background")
+        page.locator("#seed input").fill("42")
+        earlier = {j["id"] for j in httpx.get(app.url + "v1/jobs", params={"limit": 1000}, timeout=30).json()["data"]}
+        image = page.locator("#result-image img")
+        shown_before = image.get_attribute("src") if image.count() else None
+        page.locator("#generate-btn").click()
+
+        def mine_succeeded() -> bool:  # the job this click queued (the page also shows earlier tests' jobs)
+            for el in page.locator("#gen-status .ls-job[data-job]").all():
+                if el.get_attribute("data-job") not in earlier:
+                    return el.get_attribute("data-status") == "succeeded"
+            return False
+
+        wait_for("the preset's job to succeed", mine_succeeded)
+        wait_for("its picture", lambda: image.count() and image.get_attribute("src") != shown_before)
+        src = image.get_attribute("src")
+        raw = httpx.get(src if re.match(r"https?://", src) else app.url + src.lstrip("/"), timeout=30).content
+        got = read(Image.open(io.BytesIO(raw)))
+        assert (got.colour, got.background, got.digit) == ("red", "black", 3), got
+        shot(page, "generate-preset")
+        pick(page, "gen-preset-pick", "(none: base weights)")
+        page.locator("#gen-preset-apply").click()
+        expect(page.locator("#gen-preset")).to_contain_text("restored the base weights")
+    finally:
+        page.close()
 
 
 @pytest.mark.parametrize("tab", ["Presets", "Queue", "Gallery", "System"])

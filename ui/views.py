@@ -316,13 +316,14 @@ def preset_cards_html(presets: list[dict], fused: dict | None = None) -> str:
             else:
                 line = (f'✗ missing: <code>huggingface-cli download {html.escape(str(f.get("repo", "")))} '
                         f'--include \'{html.escape(pattern)}\'</code>')
-            demo = f' · demo stand-in <code>{html.escape(str(f["demo"]))}</code>' if f.get("demo") else ""
+            kind = f' ({html.escape(str(f["demo_kind"]))})' if f.get("demo_kind") else ""
+            demo = f' · demo file{kind} <code>{html.escape(str(f["demo"]))}</code>' if f.get("demo") else ""
             files.append(f'<li class="{"ls-present" if f.get("present") else "ls-missing"}">'
                          f'<b>{html.escape(str(f.get("component", "")))}</b>: {line}{demo}</li>')
         defaults = ", ".join(f"{k}={v}" for k, v in (p.get("defaults") or {}).items())
         reqs = ", ".join(f"{k}: {v}" for k, v in (p.get("requirements") or {}).items())
         badge = ' <span class="ls-badge">fused now</span>' if p.get("id") == active else ""
-        ready = "ready" if p.get("ready") else "files missing (demo models use the stand-ins)"
+        ready = "ready" if p.get("ready") else "files missing (demo models use their demo files)"
         cards.append(
             f'<div class="ls-card" data-preset="{html.escape(str(p.get("id")))}">'
             f'<h3>{html.escape(str(p.get("title") or p.get("id")))}{badge}</h3>'

@@ -28,6 +28,9 @@ from ..families import DEFAULT_MODEL  # noqa: F401 - defined once there; importe
 WEIGHTS_ROOT = Path(__file__).parent / "weights"
 #: the trained demo LoRAs of demo:qwen-image (backend/demo/loras.py writes them; the demo root copies them)
 LORAS_DIR = WEIGHTS_ROOT / "qwen-image-loras"
+#: trained distill files, per demo model: the Lightning presets' LoRAs (backend/demo/distill.py writes them;
+#: ``backend.distill.demo_files`` serves them under the presets' file names, in place of seeded stand-ins)
+DISTILL_DIRS = {"demo:qwen-image": WEIGHTS_ROOT / "qwen-image-lightning"}
 # Bump when a builder changes, so stale materializations are rebuilt.
 BUILD_VERSION = 1
 # Written next to model_index.json: sampling defaults sized for the model, read by the

@@ -8,6 +8,8 @@ Stages (``../shared/DEMO-TRAINING.md`` has the recipe and the measurements behin
                  latents the transformer knows, unchanged); run before the LoRAs are scored.
     loras        the four demo LoRAs on the trained image base, trained with peft, one after
                  another (``--only NAME`` for one; ``backend/demo/loras.py``).
+    distill      the Lightning presets' few-step LoRAs (4 and 8 steps, CFG 1), distilled from the
+                 image base's 20-step CFG-4 drawings (``--only PRESET`` for one; ``backend/demo/distill.py``).
 
 Each run has a fixed seed, shows a progress bar, writes a checkpoint every few minutes under
 ``<data-dir>/demo-train/<stage>/`` (never in git) and resumes from it when run again; the
@@ -402,11 +404,13 @@ def train_qwen_image(plan: QwenPlan, work: Path, out: Path, minutes: float, init
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.demo.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=["qwen-image", "vae-decoder", "loras"],
+    parser.add_argument("stage", choices=["qwen-image", "vae-decoder", "loras", "distill"],
                         help="qwen-image: the image base; vae-decoder: its decoder tuned on what the LoRAs draw; "
-                             "loras: the four demo LoRAs on it (backend/demo/loras.py)")
+                             "loras: the four demo LoRAs on it (backend/demo/loras.py); distill: the Lightning "
+                             "presets' LoRAs (backend/demo/distill.py)")
     parser.add_argument("--only", action="append", default=None, metavar="NAME",
-                        help="loras: train only this one (repeatable), e.g. --only demo-grayscale")
+                        help="loras / distill: train only this one (repeatable), e.g. --only demo-grayscale, "
+                             "--only qwen-image-2512-lightning-4step")
     parser.add_argument("--previews", action="store_true",
                         help="loras: then embed a preview drawn with each written LoRA in its file (run it after "
                              "the vae-decoder stage, so the previews are the shipped model's)")
@@ -422,9 +426,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from . import loras
+    from . import distill, loras
 
-    plan = {"loras": loras.LoraPlan, "vae-decoder": DecoderPlan}.get(args.stage, QwenPlan)()
+    plan = {"loras": loras.LoraPlan, "vae-decoder": DecoderPlan, "distill": distill.DistillPlan}.get(
+        args.stage, QwenPlan)()
     fields = type(plan).__dataclass_fields__
     for item in args.set:
         key, _, value = item.partition("=")
@@ -440,6 +445,17 @@ def main(argv=None) -> int:
             parser.error(f"--out {weights}: no vae/config.json there (the qwen-image weights folder is needed)")
         work = settings.data_dir(args.data_dir) / "demo-train" / "vae-decoder"
         return 0 if tune_vae_decoder(plan, work, weights, args.minutes) else 3
+    if args.stage == "distill":
+        presets = args.only or list(distill.PRESETS)
+        unknown = [p for p in presets if p not in distill.PRESETS]
+        if unknown:
+            parser.error(f"--only {unknown[0]}: no such Lightning preset; known: {', '.join(distill.PRESETS)}")
+        from ..result import quiet_libraries
+
+        quiet_libraries()
+        work = settings.data_dir(args.data_dir) / "demo-train" / "distill"
+        out = Path(args.out) if args.out else distill.WEIGHTS_DIR
+        return 0 if distill.train(presets, plan, work, out, args.minutes) else 3
     if args.stage == "loras":
         names = args.only or [spec.name for spec in loras.LORAS]
         unknown = [n for n in names if n not in loras.BY_NAME]

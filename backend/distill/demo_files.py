@@ -1,4 +1,8 @@
-"""Demo distill files: seeded stand-ins for the publishers' few-step LoRAs.
+"""Demo distill files: the publishers' few-step LoRAs for the demo models, trained or seeded.
+
+Where a demo model has trained distill files (``backend.demo.DISTILL_DIRS``: demo:qwen-image's
+Lightning LoRAs, distilled by ``python -m backend.demo.train distill``), the file of that name is
+served as it was trained. Every other name is a seeded stand-in:
 
 Each file is written in the publisher's real key layout, so the same converter path
 (diffusers' own ``lora_state_dict``) runs on them as on the real download:
@@ -13,7 +17,8 @@ Each file is written in the publisher's real key layout, so the same converter p
   CLIP image branch (``cross_attn.{k_img,v_img}`` LoRA + ``diff_b``, ``cross_attn.norm_k_img.diff``),
   which Wan2.2 A14B does not have.
 - Qwen-Image-Lightning (``lightx2v/Qwen-Image-2512-Lightning``): bare
-  ``transformer_blocks.N.<diffusers module>.lora_down.weight`` / ``lora_up.weight`` / ``alpha``.
+  ``transformer_blocks.N.<diffusers module>.lora_down.weight`` / ``lora_up.weight`` / ``alpha`` (the
+  trained demo:qwen-image files are written the same way).
 
 Shapes are read from the demo model's own checkpoint, and the seed from the file name,
 so the same name gives the same bytes on every machine.
@@ -22,10 +27,12 @@ so the same name gives the same bytes on every machine.
 """
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 from .. import settings
@@ -154,11 +161,18 @@ def write_demo_file(model_id: str, filename: str, component: str = "transformer"
 
     if not demo.is_demo(model_id):
         raise ValueError(f"demo stand-in files exist only for demo models, not {model_id!r}")
-    resolved = resolve_model(model_id, data_dir)
-    layout = LAYOUTS[resolved.class_name]
     out_dir = Path(target_dir) if target_dir else demo_dir(data_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / filename
+    trained = demo.DISTILL_DIRS.get(model_id, Path("/nonexistent")) / filename
+    if trained.is_file() and not lora_only:
+        if not (path.is_file() and filecmp.cmp(trained, path, shallow=False)):
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            shutil.copyfile(trained, tmp)
+            os.replace(tmp, path)  # atomic: a reader never sees half a file
+        return path
+    resolved = resolve_model(model_id, data_dir)
+    layout = LAYOUTS[resolved.class_name]
     marker = json.dumps({"model": model_id, "layout": layout, "component": component, "rank": RANK,
                          "alpha": ALPHA, "std": STD[layout], "build_version": BUILD_VERSION,
                          "lora_only": lora_only}, sort_keys=True)
