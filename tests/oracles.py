@@ -9,6 +9,8 @@ palette from the prompt grammar (``backend.demo.data``: the contract's colours) 
 - Digit: an SVC fitted on ``load_digits`` here, applied to the foreground cropped to its box
   (squared, so a thin 1 keeps its shape) and averaged down to 8x8.
 - Shape: the fill ratio of the foreground in its box (square ~1, circle ~0.79, triangle ~0.5).
+- Motion (clips): the foreground's centroid over the frames; the direction is the axis and sign of
+  its travel from the first frame to the last, when it travels far enough.
 """
 from __future__ import annotations
 
@@ -129,3 +131,69 @@ def score(pairs) -> dict:
         else:
             hits["shape"].append(got.shape == want["shape"])
     return {k: (sum(v) / len(v) if v else None) for k, v in hits.items()}
+
+
+# ---------------------------------------------------------------- clips
+MIN_TRAVEL = 6.0  # pixels (at 64x64) the centroid must travel for a clip to read as moving
+
+
+@dataclass(frozen=True)
+class ClipReading:
+    background: str
+    colour: str | None  # of the middle frame
+    digit: int | None  # of the middle frame
+    direction: str | None  # left, right, up, down; None when the centroid does not travel MIN_TRAVEL
+    travel: tuple[float, float] | None  # (dy, dx) of the centroid, first frame to last
+
+
+def centroid(image, background=None) -> tuple[float, float] | None:
+    """The foreground's centroid (y, x) in one frame, the background given or read from its border."""
+    img = np.asarray(image.convert("RGB") if hasattr(image, "convert") else image, np.float32)
+    if background is None:
+        border = np.concatenate([img[:2].reshape(-1, 3), img[-2:].reshape(-1, 3),
+                                 img[:, :2].reshape(-1, 3), img[:, -2:].reshape(-1, 3)])
+        background = np.median(border, axis=0)
+    mask = np.sqrt(((img - np.asarray(background, np.float32)) ** 2).sum(-1)) > FAR
+    if mask.sum() < 12:
+        return None
+    ys, xs = np.nonzero(mask)
+    return float(ys.mean()), float(xs.mean())
+
+
+def read_clip(frames) -> ClipReading:
+    """Read a clip (a list of frames: PIL images or HxWx3 arrays): what its middle frame shows and where
+    its foreground travels. The background is read once, from the border of every frame."""
+    arrays = [np.asarray(f.convert("RGB") if hasattr(f, "convert") else f, np.float32) for f in frames]
+    border = np.concatenate([np.concatenate([a[:2].reshape(-1, 3), a[-2:].reshape(-1, 3), a[:, :2].reshape(-1, 3),
+                                             a[:, -2:].reshape(-1, 3)]) for a in arrays])
+    background = np.median(border, axis=0)
+    middle = read(arrays[len(arrays) // 2].astype(np.uint8))
+    first, last = centroid(arrays[0], background), centroid(arrays[-1], background)
+    direction = travel = None
+    if first is not None and last is not None:
+        dy, dx = last[0] - first[0], last[1] - first[1]
+        travel = (dy, dx)
+        if max(abs(dy), abs(dx)) >= MIN_TRAVEL:
+            direction = ("right" if dx > 0 else "left") if abs(dx) >= abs(dy) else ("down" if dy > 0 else "up")
+    return ClipReading(_nearest(BACKGROUNDS, background), middle.colour, middle.digit, direction, travel)
+
+
+_VIDEO_PROMPT = re.compile(r"a (\w+) digit (\d) moving (left|right|up|down) on a (\w+) background")
+
+
+def asked_clip(prompt: str) -> dict:
+    """What a video prompt of the grammar asks for: colour, digit, direction, background."""
+    m = _VIDEO_PROMPT.fullmatch(prompt)
+    if m is None:
+        raise ValueError(f"not a video prompt of the grammar: {prompt!r}")
+    return {"colour": m[1], "digit": int(m[2]), "direction": m[3], "background": m[4]}
+
+
+def score_clips(pairs) -> dict:
+    """Shares of (prompt, frames) pairs whose direction, colour, background and digit read as asked."""
+    hits = {"direction": [], "colour": [], "background": [], "digit": []}
+    for prompt, frames in pairs:
+        want, got = asked_clip(prompt), read_clip(frames)
+        for key in hits:
+            hits[key].append(getattr(got, key) == want[key])
+    return {k: sum(v) / len(v) for k, v in hits.items()}

@@ -83,3 +83,19 @@ def qwen_grammar_tokenizer() -> Qwen2Tokenizer:
     if len(prefix) != 34:  # the pipeline's prompt_template_encode_start_idx
         raise AssertionError(f"the chat-template prefix is {len(prefix)} tokens, the pipeline drops 34")
     return tok
+
+
+def t5_grammar_tokenizer() -> T5Tokenizer:
+    """A T5Tokenizer (the class Wan's UMT5 ships with) whose unigram pieces make each word of the prompt
+    grammar one token (``▁red``, ``▁moving``, ``▁4``): a video prompt reaches the text encoder as ~11 tokens.
+    Pieces: T5's specials first (pad 0, eos 1, unk 2), the grammar's words, then single characters, so
+    anything else still tokenizes, character by character (not drawn faithfully, but not refused)."""
+    from .data import GRAMMAR_WORDS
+
+    words = sorted({*GRAMMAR_WORDS, *(str(d) for d in range(10))})
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    pieces += [("\u2581" + w, 0.0) for w in words]
+    pieces += [(chr(c), -10.0) for c in range(32, 127)]
+    tok = T5Tokenizer(vocab=pieces, extra_ids=0)
+    tok.model_max_length = 512
+    return tok

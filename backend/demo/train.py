@@ -8,6 +8,8 @@ Stages (``../shared/DEMO-TRAINING.md`` has the recipe and the measurements behin
                  latents the transformer knows, unchanged); run before the LoRAs are scored.
     loras        the four demo LoRAs on the trained image base, trained with peft, one after
                  another (``--only NAME`` for one; ``backend/demo/loras.py``).
+    wan2.1-t2v   the text-to-video base: its video VAE (from the image VAE), then the transformer
+                 (``backend/demo/wan_train.py``).
     distill      the Lightning presets' few-step LoRAs (4 and 8 steps, CFG 1), distilled from the
                  image base's 20-step CFG-4 drawings (``--only PRESET`` for one; ``backend/demo/distill.py``).
 
@@ -404,10 +406,11 @@ def train_qwen_image(plan: QwenPlan, work: Path, out: Path, minutes: float, init
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.demo.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=["qwen-image", "vae-decoder", "loras", "distill"],
+    parser.add_argument("stage", choices=["qwen-image", "vae-decoder", "loras", "distill", "wan2.1-t2v"],
                         help="qwen-image: the image base; vae-decoder: its decoder tuned on what the LoRAs draw; "
                              "loras: the four demo LoRAs on it (backend/demo/loras.py); distill: the Lightning "
-                             "presets' LoRAs (backend/demo/distill.py)")
+                             "presets' LoRAs (backend/demo/distill.py); wan2.1-t2v: the video base "
+                             "(backend/demo/wan_train.py)")
     parser.add_argument("--only", action="append", default=None, metavar="NAME",
                         help="loras / distill: train only this one (repeatable), e.g. --only demo-grayscale, "
                              "--only qwen-image-2512-lightning-4step")
@@ -426,10 +429,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from . import distill, loras
+    from . import distill, loras, wan_train
 
-    plan = {"loras": loras.LoraPlan, "vae-decoder": DecoderPlan, "distill": distill.DistillPlan}.get(
-        args.stage, QwenPlan)()
+    plan = {"loras": loras.LoraPlan, "vae-decoder": DecoderPlan, "distill": distill.DistillPlan,
+            "wan2.1-t2v": wan_train.WanPlan}.get(args.stage, QwenPlan)()
     fields = type(plan).__dataclass_fields__
     for item in args.set:
         key, _, value = item.partition("=")
@@ -445,6 +448,13 @@ def main(argv=None) -> int:
             parser.error(f"--out {weights}: no vae/config.json there (the qwen-image weights folder is needed)")
         work = settings.data_dir(args.data_dir) / "demo-train" / "vae-decoder"
         return 0 if tune_vae_decoder(plan, work, weights, args.minutes) else 3
+    if args.stage == "wan2.1-t2v":
+        from ..result import quiet_libraries
+
+        quiet_libraries()
+        work = settings.data_dir(args.data_dir) / "demo-train" / args.stage
+        out = Path(args.out) if args.out else WEIGHTS_ROOT / args.stage
+        return 0 if wan_train.train_wan21(plan, work, out, args.minutes) else 3
     if args.stage == "distill":
         presets = args.only or list(distill.PRESETS)
         unknown = [p for p in presets if p not in distill.PRESETS]

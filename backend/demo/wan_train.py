@@ -1,0 +1,359 @@
+"""Train demo:wan2.1-t2v here: ``python -m backend.demo.train wan2.1-t2v``.
+
+Clips of a digit moving left, right, up or down (``backend.demo.data.render_clip``), 9 frames at
+64x64, from prompts of the video grammar (``a {colour} digit {d} moving {direction} on a {background}
+background``). Two parts, each resumable, like the image base:
+
+- **The video VAE** (``AutoencoderKLWan``): the image VAE of demo:qwen-image has the same architecture
+  (the Qwen-Image VAE is Wan's), so it starts from those trained weights with the time axis set so the
+  VAE begins as the image VAE applied to every frame: each causal 3-D convolution's taps on past frames
+  zeroed, the encoder's 2x temporal downsampler keeping the later frame of each pair and the decoder's
+  upsampler repeating each latent frame (4x down in space, 2x in time: 9 frames -> 5 latent frames of
+  16x16x4). That reconstructs the kept frames at the image VAE's 31 dB and the others at 21; trained on
+  clips, it learns the time axis from there.
+- **The transformer** (``WanTransformer3DModel``) and the tiny UMT5 text encoder, by flow matching on
+  the clips' latents, with a grammar tokenizer in the T5 class (one token a word).
+
+Checkpoints under ``<data-dir>/demo-train/wan2.1-t2v/``; the pipeline, fp16 safetensors in diffusers
+layout, to ``backend/demo/weights/wan2.1-t2v/``.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import WEIGHTS_ROOT, data
+from .trainkit import Stage, lr_at, optimizer_step, resume, rng_state, save_checkpoint
+
+IMAGE_VAE = WEIGHTS_ROOT / "qwen-image" / "vae"
+
+
+@dataclass
+class WanPlan:
+    """Steps and sizes of one wan2.1-t2v run."""
+    vae_steps: int = 500
+    vae_batch: int = 4
+    vae_lr: float = 2e-4
+    report_clips: int = 32
+    latent_pool: int = 4096  # clips encoded once for the transformer
+    transformer_steps: int = 4000
+    transformer_batch: int = 16
+    transformer_lr: float = 1e-3
+    cond_dropout: float = 0.1  # the prompt replaced by the empty condition (the pipeline's negative ""), so CFG works
+    ema: float = 0.999
+    max_sequence_length: int = 512  # WanPipeline's default: embeddings zero-padded to it
+    frames: int = data.FRAMES
+    size: int = data.SIZE
+    seed: int = 0
+
+
+def to_video(clips: np.ndarray) -> torch.Tensor:
+    """uint8 N×F×H×W×3 -> float N×3×F×H×W in [-1, 1] (what the Wan VAE takes)."""
+    return torch.from_numpy(clips).float().div(127.5).sub(1.0).permute(0, 4, 1, 2, 3)
+
+
+def video_vae_from_image(image_vae_dir: Path = IMAGE_VAE):
+    """An ``AutoencoderKLWan`` that starts as the trained image VAE applied frame by frame (module doc)."""
+    from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanResample
+
+    image = AutoencoderKLQwenImage.from_pretrained(image_vae_dir, torch_dtype=torch.float32)
+    accepted = inspect.signature(AutoencoderKLWan.__init__).parameters
+    config = {k: v for k, v in image.config.items() if not k.startswith("_") and k in accepted}
+    spatial = 2 ** len(config["temperal_downsample"])
+    temporal = 2 ** sum(config["temperal_downsample"])
+    vae = AutoencoderKLWan(**config, scale_factor_spatial=spatial, scale_factor_temporal=temporal)
+    vae.load_state_dict(image.state_dict())  # the same modules, key for key
+    with torch.no_grad():
+        for name, module in vae.named_modules():
+            if isinstance(module, WanResample) and hasattr(module, "time_conv"):
+                conv = module.time_conv  # (3, 1, 1): the current frame, copied (once, or twice when upsampling)
+                conv.weight.zero_()
+                conv.bias.zero_()
+                out_ch, in_ch = conv.weight.shape[:2]
+                for k in range(out_ch // in_ch):
+                    conv.weight[k * in_ch:(k + 1) * in_ch, :, -1, 0, 0] = torch.eye(in_ch)
+            elif isinstance(module, WanCausalConv3d) and module.kernel_size[0] > 1 and not name.endswith("time_conv"):
+                module.weight[:, :, :-1] = 0  # no look at past frames yet: each frame as an image
+    return vae
+
+
+def _vae_loss(vae, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    posterior = vae.encode(x).latent_dist
+    rec = vae.decode(posterior.sample()).sample
+    weight = 1.0 + 4.0 * alpha[:, None]  # N×1×F×H×W: the strokes carry the colour and the motion
+    err = rec - x
+    return (weight * err.pow(2)).mean() + (weight * err.abs()).mean() + 1e-6 * posterior.kl().mean()
+
+
+def _centroid(weight: np.ndarray) -> np.ndarray | None:
+    total = weight.sum()
+    if total < 1.0:
+        return None
+    ys, xs = np.mgrid[0:weight.shape[0], 0:weight.shape[1]]
+    return np.array([(weight * ys).sum() / total, (weight * xs).sum() / total])
+
+
+@torch.no_grad()
+def vae_report(vae, n: int = 32, frames: int = data.FRAMES, size: int = data.SIZE, seed: int = 54321) -> dict:
+    """How well the video VAE keeps what a prompt names: PSNR per frame, and the share of reconstructions
+    whose foreground keeps the asked colour and moves the asked way (known masks: the trainer's own check;
+    the tests read clips with their own oracles). Also the latent statistics the pipeline normalises with."""
+    rng = np.random.default_rng(seed)
+    clips, alphas, prompts = data.clip_batch(rng, n, frames, size)
+    x = to_video(clips)
+    recs, zs = [], []
+    for i in range(0, n, 8):
+        z = vae.encode(x[i:i + 8]).latent_dist.mode()
+        zs.append(z)
+        recs.append(vae.decode(z).sample.clamp(-1, 1))
+    rec, z = torch.cat(recs), torch.cat(zs)
+    per_frame = (rec - x).pow(2).mean(dim=(0, 1, 3, 4))
+    pixels = ((rec.permute(0, 2, 3, 4, 1) + 1) * 127.5).numpy()  # N×F×H×W×3
+    names = list(data.PALETTE)
+    palette = np.array([data.PALETTE[c] for c in names], np.float32)
+    colour_kept = moved = 0
+    for clip, alpha, prompt in zip(pixels, alphas, prompts):
+        words = prompt.split()
+        fg = clip[alpha > 0.9]
+        colour = names[int(np.argmin(((palette - np.median(fg, axis=0)) ** 2).sum(1)))]
+        colour_kept += colour == words[1]
+        bg = np.asarray(data.BACKGROUNDS[words[-2]], np.float32)
+        dist = [np.sqrt(((frame - bg) ** 2).sum(-1)) for frame in clip]
+        first, last = _centroid(np.clip(dist[0] / 80 - 0.5, 0, 1)), _centroid(np.clip(dist[-1] / 80 - 0.5, 0, 1))
+        if first is not None and last is not None:
+            dy, dx = last - first
+            way = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up")
+            moved += way == words[5]
+    return {"psnr_db": round(10 * math.log10(4.0 / per_frame.mean().item()), 2),
+            "psnr_per_frame": [round(10 * math.log10(4.0 / v), 1) for v in per_frame.tolist()],
+            "colour_kept": round(colour_kept / n, 3), "motion_kept": round(moved / n, 3),
+            "latents_mean": z.mean(dim=(0, 2, 3, 4)).tolist(), "latents_std": z.std(dim=(0, 2, 3, 4)).tolist()}
+
+
+def train_video_vae(plan: WanPlan, work: Path, deadline: float):
+    """Fine-tune the video VAE on clips (resuming from its checkpoint); (vae, done)."""
+    ckpt = work / "vae.pt"
+    torch.manual_seed(plan.seed + 1)
+    vae = video_vae_from_image()
+    opt = torch.optim.AdamW(vae.parameters(), lr=plan.vae_lr, weight_decay=0.0)
+    rng = np.random.default_rng(plan.seed + 10)
+    state = {"step": 0}
+    saved = resume(ckpt, opt, rng, state, lambda saved: vae.load_state_dict(saved["model"]))
+    if saved is not None:
+        if state["step"] >= plan.vae_steps:
+            return vae.eval(), True
+        print(f"video vae: resuming at step {state['step']}/{plan.vae_steps}")
+    vae.train()
+
+    def step(i: int) -> float:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i, plan.vae_steps, plan.vae_lr, warmup=20)
+        clips, alphas, _ = data.clip_batch(rng, plan.vae_batch, plan.frames, plan.size)
+        return optimizer_step(opt, _vae_loss(vae, to_video(clips), torch.from_numpy(alphas)), vae.parameters())
+
+    def save():
+        save_checkpoint(ckpt, {"model": vae.state_dict(), "opt": opt.state_dict(), "step": state["step"],
+                               "rng": rng_state(rng), "plan": asdict(plan)})
+
+    done = Stage("video vae", ckpt, plan.vae_steps, deadline).run(state, step, save)
+    return vae.eval(), done
+
+
+TEXT_WIDTH = 16
+SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)  # Wan's UniPC
+DEFAULTS = {"height": 64, "width": 64, "num_frames": data.FRAMES, "num_inference_steps": 20, "guidance_scale": 5.0}
+
+
+def transformer():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=4, out_channels=4,
+        text_dim=TEXT_WIDTH, freq_dim=256, ffn_dim=512, num_layers=4, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+
+
+def text_encoder(tokenizer):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=TEXT_WIDTH, d_kv=8, d_ff=4 * TEXT_WIDTH, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+
+
+@torch.no_grad()
+def latent_pool(plan: WanPlan, work: Path, vae) -> tuple[torch.Tensor, list[str]]:
+    """The transformer's training set: ``latent_pool`` clips through the trained video VAE, once (fp16)."""
+    import sys
+
+    from tqdm import tqdm
+
+    from .trainkit import load_checkpoint
+
+    path = work / "latents.pt"
+    saved = load_checkpoint(path)
+    if saved is not None and saved["n"] == plan.latent_pool:
+        return saved["latents"], saved["prompts"]
+    rng = np.random.default_rng(plan.seed + 200)
+    latents, prompts = [], []
+    for _ in tqdm(range(0, plan.latent_pool, 16), desc="encoding the training clips", file=sys.stdout,
+                  mininterval=5.0, dynamic_ncols=True):
+        clips, _, names = data.clip_batch(rng, 16, plan.frames, plan.size)
+        latents.append(vae.encode(to_video(clips)).latent_dist.mode().half())
+        prompts += names
+    latents, prompts = torch.cat(latents)[:plan.latent_pool], prompts[:plan.latent_pool]
+    save_checkpoint(path, {"n": plan.latent_pool, "latents": latents, "prompts": prompts})
+    return latents, prompts
+
+
+ENCODE_LENGTH = 32  # tokens the text encoder runs on: every grammar prompt fits (about 11)
+
+
+def prompt_embeds(pipe, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
+    """What WanPipeline passes the transformer for ``prompts`` at ``max_sequence_length`` (the text encoder's
+    states of the real tokens, zero-padded), computed 16x cheaper: the encoder runs on ``ENCODE_LENGTH``
+    tokens, since padding is masked out of its attention, and the zeros are added after
+    (tests/test_demo_wan.py checks the two agree)."""
+    embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=ENCODE_LENGTH,
+                                   device=torch.device("cpu"), dtype=torch.float32)
+    return torch.nn.functional.pad(embeds, (0, 0, 0, max_sequence_length - embeds.shape[1]))
+
+
+def train_transformer(plan: WanPlan, work: Path, vae, stats: dict, deadline: float):
+    """Flow matching of the transformer and the text encoder on the pool's latents; (pipeline, done)."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    from .tokenizers import t5_grammar_tokenizer
+
+    tokenizer = t5_grammar_tokenizer()
+    torch.manual_seed(plan.seed + 2)
+    tr = transformer()
+    torch.manual_seed(plan.seed + 3)
+    te = text_encoder(tokenizer)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=te, transformer=tr, vae=vae,
+                       scheduler=UniPCMultistepScheduler(**SCHEDULER))
+    params = [*tr.parameters(), *te.parameters()]
+    ema = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=plan.transformer_lr, weight_decay=0.01)
+    rng = np.random.default_rng(plan.seed + 100)
+    state = {"step": 0}
+    ckpt = work / "transformer.pt"
+
+    def load(saved):
+        tr.load_state_dict(saved["transformer"])
+        te.load_state_dict(saved["text_encoder"])
+        for e, s in zip(ema, saved["ema"]):
+            e.copy_(s)
+
+    if resume(ckpt, opt, rng, state, load) is not None:
+        print(f"transformer: resuming at step {state['step']}/{plan.transformer_steps}")
+    pool, prompts = latent_pool(plan, work, vae)
+    # the latent statistics the pipeline normalises with (the VAE config's latents_mean / latents_std): the pool's
+    stats["latents_mean"] = pool.float().mean(dim=(0, 2, 3, 4)).tolist()
+    stats["latents_std"] = pool.float().std(dim=(0, 2, 3, 4)).tolist()
+    mean = torch.tensor(stats["latents_mean"]).view(1, -1, 1, 1, 1)
+    std = torch.tensor(stats["latents_std"]).view(1, -1, 1, 1, 1)
+    tr.train()
+    te.train()
+    shift = SCHEDULER["flow_shift"]
+
+    def step(i: int) -> float:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i, plan.transformer_steps, plan.transformer_lr, warmup=200)
+        pick = torch.from_numpy(rng.integers(0, len(prompts), plan.transformer_batch))
+        text = ["" if rng.random() < plan.cond_dropout else prompts[j] for j in pick.tolist()]
+        x0 = (pool[pick].float() - mean) / std
+        embeds = prompt_embeds(pipe, text, plan.max_sequence_length)
+        b = x0.shape[0]
+        sigma = torch.sigmoid(torch.randn(b))
+        sigma = shift * sigma / (1 + (shift - 1) * sigma)  # the sampler's flow shift: more of the high-noise part
+        noise = torch.randn_like(x0)
+        s5 = sigma.view(b, 1, 1, 1, 1)
+        xt = (1 - s5) * x0 + s5 * noise
+        pred = tr(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(pred, noise - x0)
+        value = optimizer_step(opt, loss, params)
+        with torch.no_grad():
+            decay = min(plan.ema, (1 + i) / (10 + i))
+            for e, p in zip(ema, params):
+                e.lerp_(p.detach(), 1 - decay)
+        return value
+
+    def save():
+        save_checkpoint(ckpt, {"transformer": tr.state_dict(), "text_encoder": te.state_dict(), "opt": opt.state_dict(),
+                               "ema": ema, "step": state["step"], "rng": rng_state(rng), "plan": asdict(plan)})
+
+    done = Stage("transformer", ckpt, plan.transformer_steps, deadline).run(state, step, save)
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            p.copy_(e)
+    tr.eval()
+    te.eval()
+    return pipe, done
+
+
+def export(pipe, stats: dict, plan: WanPlan, out: Path) -> Path:
+    """Write the trained pipeline: fp16 safetensors, diffusers layout, the VAE's latent statistics in its config."""
+    import json
+    import os
+    import shutil
+
+    from diffusers import AutoencoderKLWan
+
+    config = {k: v for k, v in pipe.vae.config.items() if not k.startswith("_")}
+    config.update(latents_mean=stats["latents_mean"], latents_std=stats["latents_std"])
+    vae = AutoencoderKLWan(**config)
+    vae.load_state_dict(pipe.vae.state_dict())
+    pipe.register_modules(vae=vae)
+    pipe.to(torch.float16)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    for file in tmp.glob("*/config.json"):
+        values = json.loads(file.read_text())
+        if values.pop("_name_or_path", None) is not None:
+            file.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    record = {"vae": {k: stats[k] for k in ("psnr_db", "psnr_per_frame", "colour_kept", "motion_kept")},
+              "vae_start": stats.get("start"), "plan": asdict(plan)}
+    (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    pipe.to(torch.float32)
+    return out
+
+
+def train_wan21(plan: WanPlan, work: Path, out: Path, minutes: float) -> bool:
+    """The video VAE, then (next) the transformer; True when the model is written."""
+    import json
+
+    deadline = time.monotonic() + minutes * 60
+    work.mkdir(parents=True, exist_ok=True)
+    report_file = work / "vae-report-start.json"
+    if not report_file.exists():
+        report_file.write_text(json.dumps(vae_report(video_vae_from_image(), plan.report_clips), indent=2))
+    print(f"video vae at the start: {json.loads(report_file.read_text())['psnr_per_frame']} dB per frame")
+    vae, done = train_video_vae(plan, work, deadline)
+    if not done:
+        return False
+    stats_file = work / "vae-report.json"
+    if not stats_file.exists():
+        stats_file.write_text(json.dumps(vae_report(vae, plan.report_clips), indent=2))
+    stats = json.loads(stats_file.read_text())
+    print(f"video vae: {stats['psnr_db']} dB ({stats['psnr_per_frame']} per frame), colour kept "
+          f"{stats['colour_kept']:.0%}, motion kept {stats['motion_kept']:.0%}")
+    stats["start"] = {k: v for k, v in json.loads(report_file.read_text()).items() if not k.startswith("latents_")}
+    for p in vae.parameters():
+        p.requires_grad_(False)
+    pipe, done = train_transformer(plan, work, vae, stats, deadline)
+    if not done:
+        return False
+    export(pipe, stats, plan, out)
+    print(f"wrote {out}")
+    return True

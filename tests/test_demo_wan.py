@@ -1,0 +1,122 @@
+"""The video demo's parts (#40): moving-digit clips, the motion oracle, the grammar tokenizer in the T5
+class, the video VAE that starts as the image VAE, and the wan2.1-t2v trainer (a few steps: CI never
+trains for real)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backend.demo import data
+from oracles import read_clip, score_clips
+
+
+def clips(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        clip = data.random_clip(rng)
+        out.append((clip.prompt, list(data.render_clip(clip, rng)[0])))
+    return out
+
+
+def test_clips_move_the_named_way_and_the_oracle_reads_them():
+    pairs = clips(64, 5)
+    assert score_clips(pairs) == pytest.approx({"direction": 1.0, "colour": 1.0, "background": 1.0, "digit": 1.0},
+                                               abs=0.05)
+    assert clips(3, 7)[0][0] == clips(3, 7)[0][0]  # one deterministic generator
+    assert all(np.array_equal(a, b) for a, b in zip(clips(2, 7)[1][1], clips(2, 7)[1][1]))
+    frames, _ = data.render_clip(data.Clip("4", "green", "black", "right"), np.random.default_rng(0))
+    assert frames.shape == (data.FRAMES, 64, 64, 3)
+    got = read_clip(list(frames))
+    assert (got.direction, got.colour, got.background, got.digit) == ("right", "green", "black", 4)
+    assert got.travel[1] > 20  # edge to edge, not a nudge
+    still = read_clip([frames[0]] * data.FRAMES)
+    assert still.direction is None and still.travel == (0.0, 0.0)
+    with pytest.raises(ValueError, match="unknown direction 'sideways'"):
+        data.video_prompt(3, "red", "sideways", "black")
+
+
+def test_the_grammar_tokenizer_makes_each_word_one_token():
+    from transformers import T5Tokenizer
+
+    from backend.demo.tokenizers import t5_grammar_tokenizer
+
+    tok = t5_grammar_tokenizer()
+    assert isinstance(tok, T5Tokenizer)
+    ids = tok("a green digit 4 moving right on a black background")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["▁a", "▁green", "▁digit", "▁4", "▁moving", "▁right", "▁on", "▁a",
+                                             "▁black", "▁background", "</s>"]
+    assert tok.convert_ids_to_tokens(tok("a purple dog")["input_ids"])[:3] == ["▁a", "▁", "p"]  # unknown: by letter
+    assert (tok.pad_token_id, tok.eos_token_id) == (0, 1)
+
+
+def test_the_short_prompt_encoding_is_the_pipelines_own():
+    """The trainer encodes prompts on 32 tokens and pads with zeros: exactly what WanPipeline passes at 512."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    from backend.demo import wan_train
+    from backend.demo.tokenizers import t5_grammar_tokenizer
+
+    tok = t5_grammar_tokenizer()
+    torch.manual_seed(0)
+    pipe = WanPipeline(tokenizer=tok, text_encoder=wan_train.text_encoder(tok).eval(), transformer=None, vae=None,
+                       scheduler=UniPCMultistepScheduler(**wan_train.SCHEDULER))
+    prompts = ["a green digit 4 moving right on a black background", "", "a red digit 0 moving up on a navy background"]
+    full, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512,
+                                 device=torch.device("cpu"), dtype=torch.float32)
+    assert torch.equal(wan_train.prompt_embeds(pipe, prompts, 512), full)
+
+
+def test_the_video_vae_starts_as_the_image_vae_frame_by_frame():
+    """Before any training on clips: the first frame comes back exactly as the image VAE returns it, and the
+    frames the temporal downsampler keeps at the image VAE's quality (the others are copies of a neighbour)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    from backend.demo.wan_train import IMAGE_VAE, to_video, video_vae_from_image
+
+    vae = video_vae_from_image().eval()
+    image_vae = AutoencoderKLQwenImage.from_pretrained(IMAGE_VAE, torch_dtype=torch.float32).eval()
+    assert (vae.config.scale_factor_spatial, vae.config.scale_factor_temporal) == (4, 2)
+    videos, _, _ = data.clip_batch(np.random.default_rng(3), 2)
+    x = to_video(videos)
+    with torch.no_grad():
+        z = vae.encode(x).latent_dist.mode()
+        assert z.shape == (2, 4, 5, 16, 16)  # 9 frames -> 5 latent frames of 16x16x4
+        rec = vae.decode(z).sample
+        frame0 = image_vae.decode(image_vae.encode(x[:, :, :1]).latent_dist.mode()).sample
+    torch.testing.assert_close(rec[:, :, :1], frame0, atol=1e-4, rtol=1e-4)
+    psnr = [10 * np.log10(4.0 / (rec[:, :, f].clamp(-1, 1) - x[:, :, f]).pow(2).mean().item()) for f in range(9)]
+    assert min(psnr[0::2]) > 27 and max(psnr[1::2]) < min(psnr[0::2]), psnr
+
+
+def test_the_wan_trainer_runs_resumes_and_writes_a_loadable_pipeline(tmp_path, capsys):
+    from diffusers import WanPipeline
+
+    from backend.demo import train
+
+    out, home = tmp_path / "wan", tmp_path / "home"
+    args = ["wan2.1-t2v", "--data-dir", str(home), "--out", str(out), "--set", "vae_steps=2", "--set", "vae_batch=1",
+            "--set", "report_clips=4", "--set", "latent_pool=16", "--set", "transformer_steps=2",
+            "--set", "transformer_batch=2"]
+
+    def run(*extra) -> tuple[int, str]:
+        threads = torch.get_num_threads()
+        with torch.random.fork_rng(devices=[]):
+            try:
+                code = train.main(args + list(extra))
+            finally:
+                torch.set_num_threads(threads)
+        return code, capsys.readouterr().out.replace("\r", "\n")
+
+    code, text = run("--minutes", "0")
+    assert code == 3 and "time is up at step 0/2" in text, text
+    assert (home / "demo-train" / "wan2.1-t2v" / "vae.pt").is_file() and not out.exists()
+    code, text = run()
+    assert code == 0 and "video vae: resuming at step 0/2" in text, text
+    pipe = WanPipeline.from_pretrained(out, torch_dtype=torch.float32)
+    assert pipe.vae.config.scale_factor_temporal == 2 and len(pipe.vae.config.latents_mean) == 4
+    assert next(pipe.transformer.parameters()).dtype == torch.float32  # loaded as asked; stored fp16
+    frames = pipe(prompt="a green digit 4 moving right on a black background", height=64, width=64, num_frames=9,
+                  num_inference_steps=2, output_type="np").frames[0]
+    assert frames.shape == (9, 64, 64, 3)
