@@ -55,13 +55,13 @@ def test_the_short_prompt_encoding_is_the_pipelines_own():
     """The trainer encodes prompts on 32 tokens and pads with zeros: exactly what WanPipeline passes at 512."""
     from diffusers import UniPCMultistepScheduler, WanPipeline
 
-    from backend.demo import wan_train
+    from backend.demo import wan, wan_train
     from backend.demo.tokenizers import t5_grammar_tokenizer
 
     tok = t5_grammar_tokenizer()
     torch.manual_seed(0)
     pipe = WanPipeline(tokenizer=tok, text_encoder=wan_train.text_encoder(tok).eval(), transformer=None, vae=None,
-                       scheduler=UniPCMultistepScheduler(**wan_train.SCHEDULER))
+                       scheduler=UniPCMultistepScheduler(**wan.SCHEDULER))
     prompts = ["a green digit 4 moving right on a black background", "", "a red digit 0 moving up on a navy background"]
     full, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512,
                                  device=torch.device("cpu"), dtype=torch.float32)

@@ -364,7 +364,8 @@ def test_a_key_that_cannot_be_applied_is_refused_by_name_and_nothing_changes(how
              "diff on nothing": lambda sd: sd.__setitem__("diffusion_model.blocks.0.self_attn.norm_x.diff",
                                                           torch.zeros(24)),
              "diff beside a pair": lambda sd: sd.__setitem__("diffusion_model.blocks.0.self_attn.q.diff",
-                                                             torch.zeros(24, 24))}
+                                                             torch.zeros_like(m.pipeline.transformer.blocks[0]
+                                                                              .attn1.to_q.weight))}  # the right shape
     bad = _edited(src, tmp_path / src.name, edits[how])
     before = {k: v.clone() for k, v in m.pipeline.transformer.state_dict().items()}
     with pytest.raises(AdapterError, match=match):

@@ -125,7 +125,7 @@ def test_format_applies_like_the_libraries(model, relpath, library, managers, en
     theirs = run(reference_pipeline(model, path, data_dir), m)
     assert meta[0]["sha256"] == formats.inspect(path).sha256
     assert np.abs(ours - base).max() > 1e-3, "the adapter must change the output"
-    np.testing.assert_allclose(ours, theirs, atol=2e-5)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)  # float rounding only: a pixel level is 1/255
 
 
 # -- exact restore -----------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ layout, to ``backend/demo/weights/wan2.1-t2v/``.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +29,9 @@ import torch
 
 from . import WEIGHTS_ROOT, data
 from .trainkit import Stage, lr_at, optimizer_step, resume, rng_state, save_checkpoint
+from .wan import SCHEDULER
+from .wan import text_encoder_t2v as text_encoder
+from .wan import transformer_t2v as transformer
 
 IMAGE_VAE = WEIGHTS_ROOT / "qwen-image" / "vae"
 
@@ -60,15 +62,13 @@ def to_video(clips: np.ndarray) -> torch.Tensor:
 
 def video_vae_from_image(image_vae_dir: Path = IMAGE_VAE):
     """An ``AutoencoderKLWan`` that starts as the trained image VAE applied frame by frame (module doc)."""
-    from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
+    from diffusers import AutoencoderKLQwenImage
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanResample
 
+    from .wan import video_vae
+
     image = AutoencoderKLQwenImage.from_pretrained(image_vae_dir, torch_dtype=torch.float32)
-    accepted = inspect.signature(AutoencoderKLWan.__init__).parameters
-    config = {k: v for k, v in image.config.items() if not k.startswith("_") and k in accepted}
-    spatial = 2 ** len(config["temperal_downsample"])
-    temporal = 2 ** sum(config["temperal_downsample"])
-    vae = AutoencoderKLWan(**config, scale_factor_spatial=spatial, scale_factor_temporal=temporal)
+    vae = video_vae(image.config)
     vae.load_state_dict(image.state_dict())  # the same modules, key for key
     with torch.no_grad():
         for name, module in vae.named_modules():
@@ -164,28 +164,6 @@ def train_video_vae(plan: WanPlan, work: Path, deadline: float):
 
     done = Stage("video vae", ckpt, plan.vae_steps, deadline).run(state, step, save)
     return vae.eval(), done
-
-
-TEXT_WIDTH = 16
-SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)  # Wan's UniPC
-DEFAULTS = {"height": 64, "width": 64, "num_frames": data.FRAMES, "num_inference_steps": 20, "guidance_scale": 5.0}
-
-
-def transformer():
-    from diffusers import WanTransformer3DModel
-
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=4, out_channels=4,
-        text_dim=TEXT_WIDTH, freq_dim=256, ffn_dim=512, num_layers=4, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
-
-
-def text_encoder(tokenizer):
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    return UMT5EncoderModel(UMT5Config(
-        vocab_size=len(tokenizer), d_model=TEXT_WIDTH, d_kv=8, d_ff=4 * TEXT_WIDTH, num_layers=2, num_heads=2,
-        relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
 
 
 @torch.no_grad()
@@ -299,7 +277,18 @@ def train_transformer(plan: WanPlan, work: Path, vae, stats: dict, deadline: flo
     return pipe, done
 
 
-def export(pipe, stats: dict, plan: WanPlan, out: Path) -> Path:
+def every_prompt(digits=data.BASE_DIGITS) -> list[str]:
+    """Every prompt of the video grammar the base model learns (digits 0-8)."""
+    return [data.video_prompt(d, c, way, b) for d in digits for c, b in data.colour_pairs() for way in data.DIRECTIONS]
+
+
+def unseen_prompts(trained_on: list[str]) -> list[str]:
+    """The grammar's prompts no training clip had: where a test can score prompts the model never saw."""
+    seen = set(trained_on)
+    return [p for p in every_prompt() if p not in seen]
+
+
+def export(pipe, stats: dict, plan: WanPlan, out: Path, prompts: list[str] | None = None) -> Path:
     """Write the trained pipeline: fp16 safetensors, diffusers layout, the VAE's latent statistics in its config."""
     import json
     import os
@@ -322,6 +311,8 @@ def export(pipe, stats: dict, plan: WanPlan, out: Path) -> Path:
             file.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
     record = {"vae": {k: stats[k] for k in ("psnr_db", "psnr_per_frame", "colour_kept", "motion_kept")},
               "vae_start": stats.get("start"), "plan": asdict(plan)}
+    if prompts is not None:  # the tests score these: prompts no training clip had
+        record["unseen_prompts"] = unseen_prompts(prompts)
     (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -354,6 +345,6 @@ def train_wan21(plan: WanPlan, work: Path, out: Path, minutes: float) -> bool:
     pipe, done = train_transformer(plan, work, vae, stats, deadline)
     if not done:
         return False
-    export(pipe, stats, plan, out)
+    export(pipe, stats, plan, out, latent_pool(plan, work, vae)[1])
     print(f"wrote {out}")
     return True
