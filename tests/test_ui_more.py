@@ -415,3 +415,23 @@ def test_send_onward_reuses_the_seed_and_feeds_image_to_video(page, app):  # noq
     # back to the image model the other tests (and the next run of this module) expect
     choose(page, "model-picker", "demo:qwen-image")
     expect(page.locator("#gen-note")).to_contain_text("demo:qwen-image loaded", timeout=600_000)
+
+
+def test_each_fields_hint_is_the_one_for_the_models_pipeline(browser, app):  # noqa: F811
+    """#26: on Qwen-Image the Guidance scale hint spoke of Wan2.2. Each model's fields carry the hint of how
+    its pipeline reads them: Qwen's guidance_scale is for guidance-distilled checkpoints (True CFG steers
+    this one); on Wan2.2 it is the high-noise steps' guidance."""
+    page = open_page(browser, app)
+    try:
+        field = page.locator("#field-guidance_scale")
+        expect(field).to_be_visible()
+        expect(field).to_contain_text("True CFG scale above")
+        assert "Wan2.2" not in field.inner_text()
+        choose(page, "model-picker", "demo:wan2.2-t2v")
+        expect(field).to_contain_text("Wan2.2: on the high-noise steps")
+        expect(page.locator("#field-guidance_scale_2")).to_contain_text("low-noise steps")
+        choose(page, "model-picker", "demo:qwen-image")  # back to the model the other tests expect
+        expect(field).to_contain_text("True CFG scale above")
+        expect(page.locator("#gen-note")).to_contain_text("demo:qwen-image loaded", timeout=600_000)
+    finally:
+        page.close()

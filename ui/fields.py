@@ -20,6 +20,12 @@ class FieldWidget:
     info: str = ""
     choices: tuple = ()
     step: float | None = None
+    # the hint where a pipeline reads the field its own way: (pipeline class, hint) pairs, else ``info``
+    infos: tuple[tuple[str, str], ...] = ()
+
+    def info_for(self, pipeline: str | None) -> str:
+        """The hint shown for this field on ``pipeline`` (a diffusers class name)."""
+        return dict(self.infos).get(pipeline or "", self.info)
 
 
 WIDGETS: tuple[FieldWidget, ...] = (
@@ -35,7 +41,11 @@ WIDGETS: tuple[FieldWidget, ...] = (
     FieldWidget("true_cfg_scale", "True CFG scale (true_cfg_scale)", "float", "sampling",
                 "Qwen-Image: classifier-free guidance (needs a negative prompt)", step=0.1),
     FieldWidget("guidance_scale", "Guidance scale (guidance_scale)", "float", "sampling",
-                "classifier-free guidance (Wan2.2: the high-noise stage)", step=0.1),
+                "classifier-free guidance", step=0.1, infos=(
+                    ("QwenImagePipeline", "read only by guidance-distilled Qwen-Image checkpoints; this model's "
+                                          "guidance is the True CFG scale above"),
+                    ("WanPipeline", "classifier-free guidance (Wan2.2: on the high-noise steps)"),
+                    ("WanImageToVideoPipeline", "classifier-free guidance (Wan2.2: on the high-noise steps)"))),
     FieldWidget("guidance_scale_2", "Second-stage guidance (guidance_scale_2)", "float", "sampling",
                 "Wan2.2: used by transformer_2 on the low-noise steps", step=0.1),
     FieldWidget("boundary_ratio", "Boundary ratio (boundary_ratio)", "float", "sampling",

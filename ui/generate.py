@@ -271,12 +271,16 @@ def field_updates(m: ModelInfo | None, values: dict | None = None, *, reset: boo
         has = m is not None and w.name in m.fields
         if not has:
             updates.append(gr.update(visible=False, value=None))
-        elif values is not None and w.name in values and w.kind != "image":
-            updates.append(gr.update(visible=True, value=values[w.name]))
+            continue
+        shown = {"visible": True}
+        if w.kind in ("int", "float", "text", "choice"):  # the hint as this model's pipeline reads the field
+            shown["info"] = w.info_for(m.pipeline) or None
+        if values is not None and w.name in values and w.kind != "image":
+            updates.append(gr.update(**shown, value=values[w.name]))
         elif reset and w.kind != "image":
-            updates.append(gr.update(visible=True, value=m.defaults.get(w.name)))
+            updates.append(gr.update(**shown, value=m.defaults.get(w.name)))
         else:
-            updates.append(gr.update(visible=True))
+            updates.append(gr.update(**shown))
     return updates
 
 
