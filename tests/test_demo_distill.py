@@ -26,6 +26,7 @@ from backend.demo import data
 from backend.demo.distill import held_out
 from backend.manager import PipelineManager
 from backend.weights import module_checksum
+from demo_trainer import run_trainer
 from oracles import score
 
 PRESET = "qwen-image-2512-lightning-4step"
@@ -169,20 +170,12 @@ def test_the_distill_trainer_runs_resumes_and_writes_the_presets_files(tmp_path,
     """A few steps (CI never trains for real): cut by its time limit it keeps what it drew outside the output
     and the next run goes on from there; it writes each preset's file, which fuses by its name into the preset
     and samples with the preset's recipe; the checkpoints are gone once every file is written."""
-    from backend.demo import train
-
     out, home = tmp_path / "lightning", tmp_path / "home"
     args = ["distill", "--data-dir", str(home), "--out", str(out), "--set", "trajectories=8", "--set",
             "teacher_batch=4", "--set", "steps=3", "--set", "batch=4", "--set", "rollout_share=1.0"]
 
     def run(*extra) -> tuple[int, str]:
-        threads = torch.get_num_threads()
-        with torch.random.fork_rng(devices=[]):
-            try:
-                code = train.main(args + list(extra))
-            finally:
-                torch.set_num_threads(threads)
-        return code, capsys.readouterr().out.replace("\r", "\n")
+        return run_trainer(capsys, args + list(extra))
 
     code, text = run("--minutes", "0")
     assert code == 3 and "teacher drawings: time is up at 0/8" in text, text

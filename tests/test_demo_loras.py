@@ -18,6 +18,7 @@ import pytest
 from backend import LoRARequest, Omni
 from backend.demo import data
 from backend.demo.loras import LORAS
+from demo_trainer import run_trainer
 from oracles import asked, chroma, read, read_colours
 
 SCALES = (0.0, 0.5, 1.0)
@@ -227,7 +228,6 @@ def test_the_lora_trainer_runs_resumes_and_writes_every_layout(tmp_path, capsys)
     import torch
     from safetensors import safe_open
 
-    from backend.demo import train
     from backend.demo.loras import BASE
     from backend.lora import formats
     from backend.lora.cards import header_card
@@ -237,13 +237,7 @@ def test_the_lora_trainer_runs_resumes_and_writes_every_layout(tmp_path, capsys)
             "--set", "pool=64"]
 
     def run(*extra) -> tuple[int, str]:
-        threads = torch.get_num_threads()
-        with torch.random.fork_rng(devices=[]):
-            try:
-                code = train.main(args + list(extra))
-            finally:
-                torch.set_num_threads(threads)
-        return code, capsys.readouterr().out.replace("\r", "\n")
+        return run_trainer(capsys, args + list(extra))
 
     code, text = run("--only", "demo-nine", "--minutes", "0")
     assert code == 3 and "time is up at step 0/2" in text, text

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from backend.demo import data
+from demo_trainer import run_trainer
 from oracles import read, score
 
 
@@ -169,21 +170,15 @@ def test_the_trainer_runs_resumes_and_writes_a_loadable_model(tmp_path, capsys):
     from_pretrained and draws. In this process (the command's ``main``), its random state forked."""
     from diffusers import QwenImagePipeline
 
-    from backend.demo import train
-
     out = tmp_path / "weights"
     args = ["qwen-image", "--data-dir", str(tmp_path / "home"), "--out", str(out), "--set", "vae_steps=2",
             "--set", "vae_batch=2", "--set", "transformer_batch=2", "--set", "size=32", "--set", "latent_pool=64",
             "--set", "report_pictures=16"]
 
     def run(*extra) -> str:
-        threads = torch.get_num_threads()
-        with torch.random.fork_rng(devices=[]):
-            try:
-                assert train.main(args + list(extra)) == 0
-            finally:
-                torch.set_num_threads(threads)
-        return capsys.readouterr().out.replace("\r", "\n")
+        code, text = run_trainer(capsys, args + list(extra))
+        assert code == 0, text
+        return text
 
     run("--set", "transformer_steps=2")
     ckpts = {p.name for p in (tmp_path / "home" / "demo-train" / "qwen-image").iterdir()}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from backend.demo import data
+from demo_trainer import run_trainer
 from oracles import read_clip, score_clips
 
 
@@ -93,21 +94,13 @@ def test_the_video_vae_starts_as_the_image_vae_frame_by_frame():
 def test_the_wan_trainer_runs_resumes_and_writes_a_loadable_pipeline(tmp_path, capsys):
     from diffusers import WanPipeline
 
-    from backend.demo import train
-
     out, home = tmp_path / "wan", tmp_path / "home"
     args = ["wan2.1-t2v", "--data-dir", str(home), "--out", str(out), "--set", "vae_steps=2", "--set", "vae_batch=1",
             "--set", "report_clips=4", "--set", "latent_pool=16", "--set", "transformer_steps=2",
             "--set", "transformer_batch=2"]
 
     def run(*extra) -> tuple[int, str]:
-        threads = torch.get_num_threads()
-        with torch.random.fork_rng(devices=[]):
-            try:
-                code = train.main(args + list(extra))
-            finally:
-                torch.set_num_threads(threads)
-        return code, capsys.readouterr().out.replace("\r", "\n")
+        return run_trainer(capsys, args + list(extra))
 
     code, text = run("--minutes", "0")
     assert code == 3 and "time is up at step 0/2" in text, text
