@@ -214,7 +214,7 @@ def train_one(preset_id: str, plan: DistillPlan, work: Path, teacher: dict, pipe
     """Distill the student of one preset (resuming from its checkpoint) and write its file."""
     from peft import get_peft_model
 
-    from .trainkit import Stage, lr_at, optimizer_step, resume, rng_state, save_checkpoint
+    from .trainkit import Stage, lora_state, lr_at, optimizer_step, resume, rng_state, save_checkpoint
 
     sigmas = torch.tensor(teacher["grids"][preset_id], dtype=torch.float32)
     states = teacher["states"][preset_id]  # n × (N+1) × T × C, fp16
@@ -262,11 +262,8 @@ def train_one(preset_id: str, plan: DistillPlan, work: Path, teacher: dict, pipe
         pred = _forward(model, x, sigmas[k], embeds, mask, side)
         return optimizer_step(opt, torch.nn.functional.mse_loss(pred, target), params)
 
-    def lora_state():
-        return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
-
     def save():
-        save_checkpoint(ckpt, {"lora": lora_state(), "opt": opt.state_dict(), "step": state["step"],
+        save_checkpoint(ckpt, {"lora": lora_state(model), "opt": opt.state_dict(), "step": state["step"],
                                "rng": rng_state(rng), "plan": asdict(plan)})
 
     started = time.monotonic()

@@ -158,8 +158,8 @@ def train_one(spec: DemoLora, plan: LoraPlan, work: Path, out_dir: Path, deadlin
     """Train one LoRA (resuming from its checkpoint) and write it; False when the time ran out first."""
     from peft import get_peft_model
 
-    from .trainkit import (Stage, flow_matching_loss, lr_at, optimizer_step, pack_latents, resume, rng_state,
-                           save_checkpoint)
+    from .trainkit import (Stage, flow_matching_loss, lora_state, lr_at, optimizer_step, pack_latents, resume,
+                           rng_state, save_checkpoint)
 
     work.mkdir(parents=True, exist_ok=True)
     pipe = _pipeline()
@@ -200,11 +200,8 @@ def train_one(spec: DemoLora, plan: LoraPlan, work: Path, out_dir: Path, deadlin
             embeds, mask = pipe.encode_prompt(text, device=torch.device("cpu"))
         return optimizer_step(opt, flow_matching_loss(model, x0, embeds, mask, lat), params)
 
-    def lora_state():
-        return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
-
     def save():
-        save_checkpoint(ckpt, {"lora": lora_state(), "opt": opt.state_dict(), "step": state["step"],
+        save_checkpoint(ckpt, {"lora": lora_state(model), "opt": opt.state_dict(), "step": state["step"],
                                "rng": rng_state(rng), "plan": asdict(plan)})
 
     started = time.monotonic()

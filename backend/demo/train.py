@@ -35,7 +35,7 @@ import torch
 
 from .. import settings
 from . import data
-from .trainkit import (Stage, flow_matching_loss, load_checkpoint, lr_at, optimizer_step,  # noqa: F401
+from .trainkit import (Ema, Stage, flow_matching_loss, load_checkpoint, lr_at, optimizer_step,  # noqa: F401
                        pack_latents, resume, rng_state, save_checkpoint, to_tensor)  # pack_latents: the tests
 
 WEIGHTS_ROOT = Path(__file__).parent / "weights"  # the same folder as backend.demo.WEIGHTS_ROOT
@@ -288,15 +288,14 @@ def train_qwen_transformer(plan: QwenPlan, work: Path, vae, stats: dict, deadlin
     pipe = QwenImagePipeline(transformer=tr, vae=vae, text_encoder=te, tokenizer=tokenizer,
                              scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER))
     params = [p for p in tr.parameters()] + [p for p in te.parameters()]
-    ema = [p.detach().clone() for p in params]
+    ema = Ema(params, plan.ema)
     opt = torch.optim.AdamW(params, lr=plan.transformer_lr, weight_decay=0.01)
     rng = np.random.default_rng(plan.seed + 100)
     state = {"step": 0}
     def load(saved):
         tr.load_state_dict(saved["transformer"])
         te.load_state_dict(saved["text_encoder"])
-        for e, s in zip(ema, saved["ema"]):
-            e.copy_(s)
+        ema.load(saved["ema"])
 
     if resume(ckpt, opt, rng, state, load) is not None:
         print(f"transformer: resuming at step {state['step']}/{plan.transformer_steps}")
@@ -315,20 +314,15 @@ def train_qwen_transformer(plan: QwenPlan, work: Path, vae, stats: dict, deadlin
         x0 = pack_latents((pool[pick].float() - mean) / std)
         embeds, mask = pipe.encode_prompt(prompts, device=torch.device("cpu"))  # as the pipeline encodes them
         loss = optimizer_step(opt, flow_matching_loss(tr, x0, embeds, mask, lat), params)
-        with torch.no_grad():
-            decay = min(plan.ema, (1 + i) / (10 + i))
-            for e, p in zip(ema, params):
-                e.lerp_(p.detach(), 1 - decay)
+        ema.update(i)
         return loss
 
     def save():
         save_checkpoint(ckpt, {"transformer": tr.state_dict(), "text_encoder": te.state_dict(), "opt": opt.state_dict(),
-                     "ema": ema, "step": state["step"], "rng": rng_state(rng), "plan": asdict(plan)})
+                     "ema": ema.shadow, "step": state["step"], "rng": rng_state(rng), "plan": asdict(plan)})
 
     done = Stage("transformer", ckpt, plan.transformer_steps, deadline).run(state, step, save)
-    with torch.no_grad():
-        for e, p in zip(ema, params):
-            p.copy_(e)
+    ema.apply()
     tr.eval()
     te.eval()
     return pipe, done

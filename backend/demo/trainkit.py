@@ -125,3 +125,35 @@ def optimizer_step(opt, loss: torch.Tensor, params, clip: float = 1.0) -> float:
     torch.nn.utils.clip_grad_norm_(params, clip)
     opt.step()
     return float(loss.detach())
+
+
+class Ema:
+    """An exponential moving average of parameters (the weights a trainer ships), its decay warmed up as
+    ``min(decay, (1 + step) / (10 + step))``. ``shadow`` is what a checkpoint keeps (a list of tensors)."""
+
+    def __init__(self, params, decay: float):
+        self.params = list(params)
+        self.shadow = [p.detach().clone() for p in self.params]
+        self.decay = decay
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        decay = min(self.decay, (1 + step) / (10 + step))
+        for e, p in zip(self.shadow, self.params):
+            e.lerp_(p.detach(), 1 - decay)
+
+    @torch.no_grad()
+    def load(self, saved: list) -> None:
+        for e, s in zip(self.shadow, saved):
+            e.copy_(s)
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Put the averaged weights into the parameters (when training ends)."""
+        for e, p in zip(self.shadow, self.params):
+            p.copy_(e)
+
+
+def lora_state(model) -> dict:
+    """The LoRA tensors of a peft-wrapped model (what a LoRA trainer's checkpoint keeps), detached copies."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}

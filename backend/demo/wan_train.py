@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from . import WEIGHTS_ROOT, data
-from .trainkit import Stage, lr_at, optimizer_step, resume, rng_state, save_checkpoint
+from .trainkit import Ema, Stage, lr_at, optimizer_step, resume, rng_state, save_checkpoint
 from .wan import SCHEDULER
 from .wan import text_encoder_t2v as text_encoder
 from .wan import transformer_t2v as transformer
@@ -218,7 +218,7 @@ def train_transformer(plan: WanPlan, work: Path, vae, stats: dict, deadline: flo
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=te, transformer=tr, vae=vae,
                        scheduler=UniPCMultistepScheduler(**SCHEDULER))
     params = [*tr.parameters(), *te.parameters()]
-    ema = [p.detach().clone() for p in params]
+    ema = Ema(params, plan.ema)
     opt = torch.optim.AdamW(params, lr=plan.transformer_lr, weight_decay=0.01)
     rng = np.random.default_rng(plan.seed + 100)
     state = {"step": 0}
@@ -227,8 +227,7 @@ def train_transformer(plan: WanPlan, work: Path, vae, stats: dict, deadline: flo
     def load(saved):
         tr.load_state_dict(saved["transformer"])
         te.load_state_dict(saved["text_encoder"])
-        for e, s in zip(ema, saved["ema"]):
-            e.copy_(s)
+        ema.load(saved["ema"])
 
     if resume(ckpt, opt, rng, state, load) is not None:
         print(f"transformer: resuming at step {state['step']}/{plan.transformer_steps}")
@@ -258,20 +257,15 @@ def train_transformer(plan: WanPlan, work: Path, vae, stats: dict, deadline: flo
         pred = tr(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred, noise - x0)
         value = optimizer_step(opt, loss, params)
-        with torch.no_grad():
-            decay = min(plan.ema, (1 + i) / (10 + i))
-            for e, p in zip(ema, params):
-                e.lerp_(p.detach(), 1 - decay)
+        ema.update(i)
         return value
 
     def save():
         save_checkpoint(ckpt, {"transformer": tr.state_dict(), "text_encoder": te.state_dict(), "opt": opt.state_dict(),
-                               "ema": ema, "step": state["step"], "rng": rng_state(rng), "plan": asdict(plan)})
+                               "ema": ema.shadow, "step": state["step"], "rng": rng_state(rng), "plan": asdict(plan)})
 
     done = Stage("transformer", ckpt, plan.transformer_steps, deadline).run(state, step, save)
-    with torch.no_grad():
-        for e, p in zip(ema, params):
-            p.copy_(e)
+    ema.apply()
     tr.eval()
     te.eval()
     return pipe, done
