@@ -1,10 +1,12 @@
-"""Draw demo:wan2.1-t2v's clips into one animated GIF, and print the oracles' figures.
+"""Draw a trained demo Wan model's clips into one animated GIF, and print the oracles' figures.
 
-    .venv/bin/python scripts/demo_wan_clip.py [--out docs/img/demo-wan-t2v.gif] [--score] [--cfg 5 ...]
+    .venv/bin/python scripts/demo_wan_clip.py [--model demo:wan2.2-t2v] [--out docs/img/demo-wan22-t2v.gif]
+                                              [--score] [--cfg 5 ...]
 
 The GIF: four prompts side by side, one per direction (a green 4 moving right first), drawn through the
 product's own path (a ``PipelineManager`` at the model's defaults) and upscaled 2x. ``--score`` also
-draws tests/test_demo_wan_trained.py's grid and prints what tests/oracles.py reads (direction, colour,
+draws the model's test grid (``oracles.clip_grid`` over the prompts its training.json says no training
+clip had) and prints what tests/oracles.py reads (direction, colour,
 background, digit), per CFG value given.
 """
 from __future__ import annotations
@@ -26,10 +28,13 @@ SHOWN = [("a green digit 4 moving right on a black background", 1), ("a red digi
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo:wan2.1-t2v")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "img" / "demo-wan-t2v.gif"))
+    parser.add_argument("--out", default=None, help="default docs/img/demo-wan-t2v.gif (wan2.1), "
+                                                     "docs/img/demo-wan22-t2v.gif (wan2.2)")
     parser.add_argument("--score", action="store_true")
     parser.add_argument("--cfg", type=float, nargs="*", default=[])
     args = parser.parse_args(argv)
+    name = args.model.removeprefix("demo:")
+    args.out = args.out or str(ROOT / "docs" / "img" / f"demo-{name.replace('2.1', '').replace('.', '')}.gif")
 
     import numpy as np
     from PIL import Image
@@ -51,10 +56,12 @@ def main(argv=None) -> int:
         frames[0].save(args.out, save_all=True, append_images=frames[1:], duration=180, loop=0, optimize=True)
         print(f"wrote {args.out} ({frames[0].size[0]}x{frames[0].size[1]}, {len(frames)} frames)")
         if args.score:
-            from oracles import score_clips
-            from test_demo_wan_trained import grid
+            import json
 
-            pairs = grid()
+            from backend.demo import WEIGHTS_ROOT
+            from oracles import clip_grid, score_clips
+
+            pairs = clip_grid(json.loads((WEIGHTS_ROOT / name / "training.json").read_text())["unseen_prompts"])
             for cfg in args.cfg or [None]:
                 fields = {} if cfg is None else {"guidance_scale": cfg}
                 started = time.perf_counter()

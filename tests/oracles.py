@@ -197,3 +197,17 @@ def score_clips(pairs) -> dict:
         for key in hits:
             hits[key].append(getattr(got, key) == want[key])
     return {k: sum(v) / len(v) for k, v in hits.items()}
+
+
+def clip_grid(unseen: list[str], per_direction: int = 8, first_seed: int = 40000) -> list[tuple[str, int]]:
+    """The fixed grid a video model is scored on: ``per_direction`` prompts a direction, spread over ``unseen``
+    (prompts no training clip had, from the model's training.json; where a direction has fewer, they come
+    round again), each with its own seed no training used."""
+    out = []
+    for way in ("left", "right", "up", "down"):
+        mine = [p for p in unseen if asked_clip(p)["direction"] == way]
+        if not mine:
+            raise ValueError(f"no unseen prompt moves {way}: the grid needs one a direction")
+        step = max(1, len(mine) // per_direction)
+        out += [mine[(i * step) % len(mine)] for i in range(per_direction)]
+    return [(p, first_seed + i) for i, p in enumerate(out)]

@@ -113,3 +113,46 @@ def test_the_wan_trainer_runs_resumes_and_writes_a_loadable_pipeline(tmp_path, c
     frames = pipe(prompt="a green digit 4 moving right on a black background", height=64, width=64, num_frames=9,
                   num_inference_steps=2, output_type="np").frames[0]
     assert frames.shape == (9, 64, 64, 3)
+
+
+def test_each_experts_sigmas_are_the_trainers_distribution_on_its_half():
+    """wan2.2-t2v's experts train on their half of the noise levels only, drawn as the base trainer draws them
+    (flow-shifted logit-normal), conditioned on the half: checked against plain rejection sampling."""
+    from backend.demo.wan_experts import sigmas_between
+
+    torch.manual_seed(0)
+    z = torch.sigmoid(torch.randn(400_000))
+    shifted = 3 * z / (1 + 2 * z)  # the base trainer's draw (flow shift 3)
+    for low, high in [(0.875, 1.0), (0.0, 0.875)]:
+        got = sigmas_between(20_000, low, high)
+        assert got.min() >= low and got.max() <= high, (low, high, got.min(), got.max())
+        want = shifted[(shifted >= low) & (shifted < high)]
+        for q in (0.1, 0.5, 0.9):
+            assert abs(got.quantile(q) - want.quantile(q)) < 0.01, (low, high, q)
+
+
+def test_the_experts_trainer_runs_resumes_and_writes_the_wan22_pair(tmp_path, capsys):
+    """``python -m backend.demo.train wan2.2-t2v``: both experts start as the shipped wan2.1-t2v transformer and
+    each is trained on its own half; the pair is written as Wan2.2 lays it out (``transformer`` the high-noise
+    one, ``transformer_2`` the low-noise one, ``boundary_ratio`` in the pipeline's config)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from backend.demo import WEIGHTS_ROOT
+
+    out, home = tmp_path / "wan22", tmp_path / "home"
+    args = ["wan2.2-t2v", "--data-dir", str(home), "--out", str(out), "--set", "steps=2", "--set", "batch=2",
+            "--set", "latent_pool=16"]
+    code, text = run_trainer(capsys, args + ["--minutes", "0"])
+    assert code == 3 and "time is up at step 0/2" in text, text
+    code, text = run_trainer(capsys, args)
+    assert code == 0 and "experts: resuming at step 0/2" in text, text
+    pipe = WanPipeline.from_pretrained(out, torch_dtype=torch.float32)
+    assert pipe.config.boundary_ratio == 0.875 and pipe.transformer_2 is not None
+    base = WanTransformer3DModel.from_pretrained(WEIGHTS_ROOT / "wan2.1-t2v" / "transformer", torch_dtype=torch.float32)
+    name = "blocks.0.attn2.to_q.weight"
+    high, low, start = (m.state_dict()[name] for m in (pipe.transformer, pipe.transformer_2, base))
+    assert not torch.equal(high, start) and not torch.equal(low, start) and not torch.equal(high, low)
+    assert (high - start).abs().max() < 0.05 and (low - start).abs().max() < 0.05  # two steps from the base
+    frames = pipe(prompt="a green digit 4 moving right on a black background", height=64, width=64, num_frames=9,
+                  num_inference_steps=2, output_type="np").frames[0]
+    assert frames.shape == (9, 64, 64, 3)

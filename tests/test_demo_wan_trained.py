@@ -1,7 +1,7 @@
 """demo:wan2.1-t2v draws what it is asked: a digit of the asked colour moving the asked way (#40).
 
-Not there yet: after its first 30 minutes of training it draws the asked background and, often, the asked
-colour, but its digits do not yet move the asked way (see THRESHOLDS).
+Not there yet: after two 30-minute runs of training it draws the asked background and colour, and moves the
+digit the asked way in about half the clips; its digits are blobs (see THRESHOLDS).
 
 Trained here (``python -m backend.demo.train wan2.1-t2v``, backend/demo/wan_train.py); read by the
 oracles of tests/oracles.py (the foreground's centroid over the frames for the direction; the middle
@@ -17,25 +17,20 @@ import pytest
 
 from backend.demo import WEIGHTS_ROOT, data
 from backend.manager import PipelineManager
-from oracles import asked_clip, read_clip, score_clips
+from oracles import asked_clip, clip_grid, read_clip, score_clips
 
 MODEL = "demo:wan2.1-t2v"
-# The issue's bars are direction and colour at least 80%. After the first 30 minutes of training (the stage's
-# budget; it goes on from these weights next session) the grid read direction 6%, colour 56%, background
-# 100%, digit 19%: the bars below are the reached figures less a margin, and the direction is held by the
-# strict xfail below, which fails (so the bar gets raised) the day the clips move as asked.
-THRESHOLDS = {"colour": 0.45, "background": 0.9}
+# The issue's bars are direction and colour at least 80%. After two 30-minute runs (5,200 steps of 16; the
+# stage's budget is one run a session, it goes on from these weights) the grid read, at the default CFG 3:
+# direction 44%, colour 84%, background 100%, digit 9% (the first run: direction 6%, colour 56%). The bars
+# below are the reached figures less a margin; the issue's direction bar is held by the strict xfail below,
+# which fails (so the bar gets raised) the day the clips move as asked.
+THRESHOLDS = {"direction": 0.35, "colour": 0.75, "background": 0.9}
 
 
 def grid() -> list[tuple[str, int]]:
     """32 (prompt, seed) pairs: 8 a direction, prompts no training clip had, seeds 40000 up."""
-    unseen = json.loads((WEIGHTS_ROOT / "wan2.1-t2v" / "training.json").read_text())["unseen_prompts"]
-    out = []
-    for way in data.DIRECTIONS:
-        mine = [p for p in unseen if asked_clip(p)["direction"] == way]
-        step = max(1, len(mine) // 8)
-        out += mine[::step][:8]
-    return [(p, 40000 + i) for i, p in enumerate(out)]
+    return clip_grid(json.loads((WEIGHTS_ROOT / "wan2.1-t2v" / "training.json").read_text())["unseen_prompts"])
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +47,22 @@ def draw(m, prompt: str, seed: int, **fields):
 @pytest.fixture(scope="module")
 def grid_scores(manager) -> dict:
     pairs = grid()
-    assert len(pairs) == 32 and all(asked_clip(p) for p, _ in pairs)
+    assert len(pairs) == 32 and len({p for p, _ in pairs}) >= 24 and all(asked_clip(p) for p, _ in pairs)
     return score_clips([(p, draw(manager, p, s)) for p, s in pairs])
 
 
-def test_the_grid_draws_the_asked_colour_and_background(grid_scores):
+def test_the_grid_draws_the_asked_colour_background_and_mostly_motion(grid_scores):
     got = grid_scores
     failed = {k: f"{got[k]:.0%} < {v:.0%}" for k, v in THRESHOLDS.items() if got[k] < v}
     assert not failed, f"read as asked: {got}; below the bar: {failed}"
 
 
-@pytest.mark.xfail(strict=True, reason="#40: not reached after 30 minutes of training (grid direction 6%)")
+@pytest.mark.xfail(strict=True, reason="#40: not reached after two 30-minute runs (grid direction 44%)")
 def test_the_grid_moves_the_asked_way(grid_scores):
     assert grid_scores["direction"] >= 0.8, grid_scores
 
 
-@pytest.mark.xfail(strict=True, reason="#40: not reached after 30 minutes of training (grid direction 6%)")
+@pytest.mark.xfail(strict=True, reason="#40: not reached after two 30-minute runs (2 of 4 on seeds 7-9)")
 def test_the_direction_word_alone_changes_the_motion(manager):
     """One seed, four prompts that differ only in the direction: the clip follows the word."""
     readings = {way: read_clip(draw(manager, data.video_prompt(5, "orange", way, "black"), 7))

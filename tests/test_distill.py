@@ -417,3 +417,27 @@ def test_restore_is_checked_by_device_digests_and_catches_a_corrupted_layer(dtyp
     saved.copy_(good)
     fb.restore(full_check=True)
     assert checksums(m) == base
+
+
+def test_a_stand_in_follows_its_model_when_the_model_is_rebuilt(tmp_path):
+    """A stand-in is shaped after its model's modules, so it is keyed on the model's build too: a data dir that
+    kept a stand-in from an earlier build of the model (demo:wan2.2-t2v had seeded random weights, 2 blocks of
+    width 24; now trained ones, 4 of 128) gets it written again, not served stale (it failed to fuse)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from backend import demo
+
+    name = "wan2.2_t2v_A14b_high_noise_lora_rank64_lightx2v_4step_1217.safetensors"
+    path = write_demo_file("demo:wan2.2-t2v", name, data_dir=tmp_path)
+    key = "diffusion_model.blocks.0.self_attn.q.lora_down.weight"
+    with safe_open(str(path), "pt") as f:
+        marker, wanted = json.loads(f.metadata()["lora_studio_demo"]), f.get_tensor(key).shape
+    assert marker["model_build"] == (demo.ensure("demo:wan2.2-t2v", tmp_path) / ".demo-build").read_text()
+    # the file an earlier build left: the old model's shapes, its marker naming no model build
+    old = {k: v for k, v in marker.items() if k != "model_build"}
+    save_file({key: torch.zeros(64, 24)}, str(path), metadata={"lora_studio_demo": json.dumps(old, sort_keys=True)})
+    again = write_demo_file("demo:wan2.2-t2v", name, data_dir=tmp_path)
+    with safe_open(str(again), "pt") as f:
+        assert f.get_tensor(key).shape == wanted and json.loads(f.metadata()["lora_studio_demo"]) == marker

@@ -199,10 +199,11 @@ def test_per_expert_schedules_on_wan22(library, managers):
     sched, meta = pixels(m, [(high, scale), (low, {"transformer_2": [0.5, 0.5, 0.5, 0.5]})])
     assert sums(m) == base_sums
     rows = meta["adapters"]
+    blocks = len(m.pipeline.transformer_2.blocks)  # block "1" at 0, the others at the step's scale
     assert rows[0]["scale"] == scale and rows[0]["mode"] == "unfused"
     assert rows[0]["scale_resolved"] == {"steps": STEPS, "per_step": {"transformer": [1.0, 1.0, 0.0, 0.0],
                                          "transformer_2": pytest.approx([0.5, 0.5 + 0.5 / 3, 0.5 + 1 / 3, 1.0])},
-                                         "blocks": {"transformer_2": [1.0, 0.0]}}
+                                         "blocks": {"transformer_2": [1.0, 0.0] + [1.0] * (blocks - 2)}}
     assert rows[1]["scale"] == {"transformer": 0.0, "transformer_2": [0.5, 0.5, 0.5, 0.5]}
     assert np.abs(sched - plain).max() > 1
     hooked = {c: sum(bool(x._forward_hooks) for x in d.modules() if isinstance(x, torch.nn.Linear))

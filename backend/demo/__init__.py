@@ -70,7 +70,9 @@ DEMO_MODELS: dict[str, DemoModel] = {m.id: m for m in [
     # trained: python -m backend.demo.train wan2.1-t2v (backend/demo/wan_train.py)
     DemoModel("demo:wan2.1-t2v", "wan:architecture_t2v", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan:DEFAULTS_T2V",
               weights="wan2.1-t2v"),
-    DemoModel("demo:wan2.2-t2v", "wan:build_wan22_t2v", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan:DEFAULTS_22"),
+    # trained: python -m backend.demo.train wan2.2-t2v (backend/demo/wan_experts.py), after wan2.1-t2v
+    DemoModel("demo:wan2.2-t2v", "wan:architecture_22_t2v", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan:DEFAULTS_22_T2V",
+              weights="wan2.2-t2v"),
     DemoModel("demo:wan2.2-i2v", "wan:build_wan22_i2v", "Wan-AI/Wan2.2-I2V-A14B-Diffusers", "wan:DEFAULTS_22"),
     # revision 1: denoisers and video VAE drawn signal-preserving (the denoiser drives the frames)
     DemoModel("demo:minimax-h3", "minimax:repository", "MiniMaxAI/MiniMax-H3", "minimax:DEFAULTS", revision=1),

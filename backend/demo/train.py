@@ -10,6 +10,9 @@ Stages (``../shared/DEMO-TRAINING.md`` has the recipe and the measurements behin
                  another (``--only NAME`` for one; ``backend/demo/loras.py``).
     wan2.1-t2v   the text-to-video base: its video VAE (from the image VAE), then the transformer
                  (``backend/demo/wan_train.py``).
+    wan2.2-t2v   its two experts: wan2.1-t2v's transformer trained on the high-noise half into
+                 ``transformer`` and on the low-noise half into ``transformer_2``
+                 (``backend/demo/wan_experts.py``; run after wan2.1-t2v).
     distill      the Lightning presets' few-step LoRAs (4 and 8 steps, CFG 1), distilled from the
                  image base's 20-step CFG-4 drawings (``--only PRESET`` for one; ``backend/demo/distill.py``).
 
@@ -36,7 +39,7 @@ import torch
 from .. import settings
 from . import data
 from .trainkit import (Ema, Stage, flow_matching_loss, load_checkpoint, lr_at, optimizer_step,  # noqa: F401
-                       pack_latents, resume, rng_state, save_checkpoint, to_tensor)  # pack_latents: the tests
+                       pack_latents, resume, rng_state, save_checkpoint, to_tensor, write_pipeline)  # pack_latents: the tests
 
 WEIGHTS_ROOT = Path(__file__).parent / "weights"  # the same folder as backend.demo.WEIGHTS_ROOT
 @dataclass
@@ -330,31 +333,15 @@ def train_qwen_transformer(plan: QwenPlan, work: Path, vae, stats: dict, deadlin
 
 def export_qwen(pipe, stats: dict, out: Path, init: Path | None = None) -> Path:
     """Write the trained pipeline in fp16 safetensors, diffusers layout, with the VAE's latent statistics."""
-    import shutil
-
     from .qwen import vae as make_vae
 
     vae = make_vae(stats["latents_mean"], stats["latents_std"])
     vae.load_state_dict(pipe.vae.state_dict())
     pipe.register_modules(vae=vae)
-    pipe.to(torch.float16)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    for config in tmp.glob("*/config.json"):  # weights loaded from a folder (--init-from) name it: not shipped
-        values = json.loads(config.read_text())
-        if values.pop("_name_or_path", None) is not None:
-            config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
-    if init is not None:  # the tokenizer does not train: its files as they were, not a round trip's
-        shutil.rmtree(tmp / "tokenizer")
-        shutil.copytree(init / "tokenizer", tmp / "tokenizer")
     record = {"vae": {k: stats[k] for k in ("psnr_db", "colour_kept")}, "plan": stats.get("plan")}
     if stats.get("continued_from"):  # --init-from: the run these weights went on from, with its own record
         record["continued_from"] = stats["continued_from"]
-    (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    pipe.to(torch.float32)
+    write_pipeline(pipe, out, record, tokenizer_from=init)
     return out
 
 
@@ -400,11 +387,12 @@ def train_qwen_image(plan: QwenPlan, work: Path, out: Path, minutes: float, init
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.demo.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=["qwen-image", "vae-decoder", "loras", "distill", "wan2.1-t2v"],
+    parser.add_argument("stage", choices=["qwen-image", "vae-decoder", "loras", "distill", "wan2.1-t2v", "wan2.2-t2v"],
                         help="qwen-image: the image base; vae-decoder: its decoder tuned on what the LoRAs draw; "
                              "loras: the four demo LoRAs on it (backend/demo/loras.py); distill: the Lightning "
                              "presets' LoRAs (backend/demo/distill.py); wan2.1-t2v: the video base "
-                             "(backend/demo/wan_train.py)")
+                             "(backend/demo/wan_train.py); wan2.2-t2v: its two experts, from it "
+                             "(backend/demo/wan_experts.py)")
     parser.add_argument("--only", action="append", default=None, metavar="NAME",
                         help="loras / distill: train only this one (repeatable), e.g. --only demo-grayscale, "
                              "--only qwen-image-2512-lightning-4step")
@@ -423,10 +411,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from . import distill, loras, wan_train
+    from . import distill, loras, wan_experts, wan_train
 
     plan = {"loras": loras.LoraPlan, "vae-decoder": DecoderPlan, "distill": distill.DistillPlan,
-            "wan2.1-t2v": wan_train.WanPlan}.get(args.stage, QwenPlan)()
+            "wan2.1-t2v": wan_train.WanPlan, "wan2.2-t2v": wan_experts.ExpertsPlan}.get(args.stage, QwenPlan)()
     fields = type(plan).__dataclass_fields__
     for item in args.set:
         key, _, value = item.partition("=")
@@ -442,13 +430,14 @@ def main(argv=None) -> int:
             parser.error(f"--out {weights}: no vae/config.json there (the qwen-image weights folder is needed)")
         work = settings.data_dir(args.data_dir) / "demo-train" / "vae-decoder"
         return 0 if tune_vae_decoder(plan, work, weights, args.minutes) else 3
-    if args.stage == "wan2.1-t2v":
+    if args.stage in ("wan2.1-t2v", "wan2.2-t2v"):
         from ..result import quiet_libraries
 
         quiet_libraries()
         work = settings.data_dir(args.data_dir) / "demo-train" / args.stage
         out = Path(args.out) if args.out else WEIGHTS_ROOT / args.stage
-        return 0 if wan_train.train_wan21(plan, work, out, args.minutes) else 3
+        train = wan_train.train_wan21 if args.stage == "wan2.1-t2v" else wan_experts.train_experts
+        return 0 if train(plan, work, out, args.minutes) else 3
     if args.stage == "distill":
         presets = args.only or list(distill.PRESETS)
         unknown = [p for p in presets if p not in distill.PRESETS]

@@ -37,6 +37,32 @@ def save_checkpoint(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+def write_pipeline(pipe, out: Path, record: dict, tokenizer_from: Path | None = None) -> Path:
+    """Write a trained pipeline where the demo ships it: fp16 safetensors in diffusers layout, no
+    ``_name_or_path`` in the configs (weights loaded from a folder name it: not shipped), the run's
+    ``record`` as training.json; into a sibling folder first, then swapped in whole. ``tokenizer_from``: a
+    tokenizer that does not train keeps its files as they were, not a round trip's."""
+    import json
+    import shutil
+
+    pipe.to(torch.float16)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    for config in tmp.glob("*/config.json"):
+        values = json.loads(config.read_text())
+        if values.pop("_name_or_path", None) is not None:
+            config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    if tokenizer_from is not None:
+        shutil.rmtree(tmp / "tokenizer")
+        shutil.copytree(tokenizer_from / "tokenizer", tmp / "tokenizer")
+    (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    pipe.to(torch.float32)
+    return out
+
+
 def load_checkpoint(path: Path):
     return torch.load(path, weights_only=False) if path.exists() else None
 

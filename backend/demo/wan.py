@@ -2,8 +2,10 @@
 
 demo:wan2.1-t2v is trained (``python -m backend.demo.train wan2.1-t2v``, backend/demo/wan_train.py): its
 weights live in ``backend/demo/weights/wan2.1-t2v``; ``architecture_t2v()`` is the untrained pipeline the
-trainer starts from (its VAE is the image VAE's architecture: 4x down in space, 2x in time). The Wan2.2 ones
-still have seeded random weights (``build_wan22_*``, the shapes their unit tests see) until they are trained.
+trainer starts from (its VAE is the image VAE's architecture: 4x down in space, 2x in time). demo:wan2.2-t2v
+is trained from it (``python -m backend.demo.train wan2.2-t2v``, backend/demo/wan_experts.py): the same VAE,
+text encoder and tokenizer, and two experts. demo:wan2.2-i2v still has seeded random weights
+(``build_wan22_i2v``) until it is trained.
 
 Wan2.2 A14B has two denoisers: `transformer` for high-noise steps, `transformer_2`
 for low-noise ones, split at boundary_ratio 0.875 of the training timesteps.
@@ -19,8 +21,10 @@ from transformers import UMT5Config, UMT5EncoderModel
 from .tokenizers import t5_grammar_tokenizer, t5_tokenizer
 
 # the trained demo:wan2.1-t2v: 9 frames (5 latent frames), 20 UniPC steps at Wan's flow shift 3
-DEFAULTS_T2V = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 20, "guidance_scale": 5.0}
-# the random Wan2.2 ones: 8 steps (their clips are noise; only their plumbing is tested)
+DEFAULTS_T2V = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 20, "guidance_scale": 3.0}
+# the trained demo:wan2.2-t2v: Wan2.1's sampling, each expert with its own guidance (the same here)
+DEFAULTS_22_T2V = {**DEFAULTS_T2V, "guidance_scale_2": DEFAULTS_T2V["guidance_scale"]}
+# the random Wan2.2 I2V: 8 steps (its clips are noise; only its plumbing is tested)
 DEFAULTS_22 = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 8, "guidance_scale": 4.0,
                "guidance_scale_2": 3.0}
 BOUNDARY_RATIO = 0.875
@@ -67,6 +71,16 @@ def architecture_t2v(seed: int = 0) -> WanPipeline:
                        scheduler=UniPCMultistepScheduler(**SCHEDULER))
 
 
+def architecture_22_t2v(seed: int = 0) -> WanPipeline:
+    """The untrained demo:wan2.2-t2v: demo:wan2.1-t2v's parts and a second transformer, split at the boundary
+    (trained: both experts start from the trained wan2.1-t2v transformer, backend/demo/wan_experts.py)."""
+    pipe = architecture_t2v(seed)
+    torch.manual_seed(seed + 3)
+    return WanPipeline(transformer=pipe.transformer, transformer_2=transformer_t2v(), vae=pipe.vae,
+                       text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, scheduler=pipe.scheduler,
+                       boundary_ratio=BOUNDARY_RATIO)
+
+
 def _transformer(seed: int, in_channels: int) -> WanTransformer3DModel:
     torch.manual_seed(seed)
     return WanTransformer3DModel(
@@ -87,11 +101,6 @@ def _shared():
     # Wan's published scheduler: UniPC on flow sigmas.
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     return dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler)
-
-
-def build_wan22_t2v() -> WanPipeline:
-    return WanPipeline(transformer=_transformer(0, 16), transformer_2=_transformer(1, 16),
-                       boundary_ratio=BOUNDARY_RATIO, **_shared())
 
 
 def build_wan22_i2v() -> WanImageToVideoPipeline:

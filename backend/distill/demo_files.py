@@ -173,9 +173,13 @@ def write_demo_file(model_id: str, filename: str, component: str = "transformer"
         return path
     resolved = resolve_model(model_id, data_dir)
     layout = LAYOUTS[resolved.class_name]
+    # the model's own build marker too: a stand-in is shaped after the model's modules, so a retrained or
+    # reshaped demo model (e.g. random -> trained) makes it stale
+    built = resolved.path / ".demo-build"
     marker = json.dumps({"model": model_id, "layout": layout, "component": component, "rank": RANK,
                          "alpha": ALPHA, "std": STD[layout], "build_version": BUILD_VERSION,
-                         "lora_only": lora_only}, sort_keys=True)
+                         "lora_only": lora_only, "model_build": built.read_text() if built.is_file() else None},
+                        sort_keys=True)
     if path.is_file() and _marker(path) == marker:
         return path
     sd = build_state_dict(resolved.path, layout, component, _seed(filename))
