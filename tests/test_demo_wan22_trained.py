@@ -81,6 +81,7 @@ def test_the_grid_meets_the_issues_bars(shipped):
     assert all(shipped[k] >= v for k, v in ISSUE_BARS.items()), shipped
 
 
+@pytest.mark.slow  # 27 s each; the default tier has the cheaper check of the same split by the error
 @pytest.mark.parametrize("assembly", ["swapped", "high-noise for both"])
 def test_a_wrongly_assembled_pair_draws_worse_clips(assembly, assembled, shipped, data_dir):
     wrong = scores(str(assembled[assembly]), data_dir)
