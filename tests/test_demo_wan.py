@@ -3,6 +3,8 @@ class, the video VAE that starts as the image VAE, and the wan2.1-t2v trainer (a
 trains for real)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -156,3 +158,32 @@ def test_the_experts_trainer_runs_resumes_and_writes_the_wan22_pair(tmp_path, ca
     frames = pipe(prompt="a green digit 4 moving right on a black background", height=64, width=64, num_frames=9,
                   num_inference_steps=2, output_type="np").frames[0]
     assert frames.shape == (9, 64, 64, 3)
+
+
+def test_the_experts_start_over_when_their_base_is_retrained(tmp_path, capsys):
+    """The experts' checkpoint (and the latent pool) belong to the wan2.1-t2v weights they started from: after
+    the base is trained further, a run starts over from the new base instead of resuming (or, done, re-exporting)
+    experts of the old one."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from backend.demo import WEIGHTS_ROOT
+    from backend.demo.wan_experts import ExpertsPlan, base_digest, train_experts
+
+    base, work, out = tmp_path / "base", tmp_path / "work", tmp_path / "out"
+    shutil.copytree(WEIGHTS_ROOT / "wan2.1-t2v", base)
+    plan = ExpertsPlan(steps=1, batch=2, latent_pool=16)
+    with torch.random.fork_rng(devices=[]):
+        assert train_experts(plan, work, out, 10, base)
+        first = json.loads((out / "training.json").read_text())["base_sha256"]
+        assert first == base_digest(base)
+        weights = base / "transformer" / "diffusion_pytorch_model.safetensors"
+        tensors = load_file(str(weights))
+        tensors["blocks.0.attn2.to_q.weight"] += 1e-2  # the base, trained further
+        save_file(tensors, str(weights))
+        capsys.readouterr()
+        assert train_experts(plan, work, out, 10, base)
+    text = capsys.readouterr().out
+    assert "has changed since the checkpoint; starting over" in text and "resuming" not in text, text
+    assert json.loads((out / "training.json").read_text())["base_sha256"] == base_digest(base) != first

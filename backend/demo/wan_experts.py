@@ -18,6 +18,7 @@ layout, to ``backend/demo/weights/wan2.2-t2v/``.
 from __future__ import annotations
 
 import copy
+import hashlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,7 +27,8 @@ import numpy as np
 import torch
 
 from . import WEIGHTS_ROOT, data
-from .trainkit import Ema, Stage, lr_at, optimizer_step, resume, rng_state, save_checkpoint, write_pipeline
+from .trainkit import (Ema, Stage, load_checkpoint, lr_at, optimizer_step, resume, rng_state, save_checkpoint,
+                       write_pipeline)
 from .wan import BOUNDARY_RATIO, SCHEDULER
 from .wan_train import ENCODE_LENGTH, latent_pool, prompt_embeds, unseen_prompts
 
@@ -64,6 +66,16 @@ def sigmas_between(n: int, low: float, high: float, shift: float = SCHEDULER["fl
     return (shift * s / (1 + (shift - 1) * s)).float().clamp(low, high)
 
 
+def base_digest(base: Path) -> str:
+    """sha256 over the base model's weight files: a checkpoint of the experts (and the latent pool its VAE
+    encoded) belongs to one base, and is started over when the base is retrained."""
+    h = hashlib.sha256()
+    for file in sorted(base.glob("*/*.safetensors")):
+        h.update(file.relative_to(base).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(file.read_bytes()).digest())
+    return h.hexdigest()
+
+
 def _flow_loss(tr, x0: torch.Tensor, embeds: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     b = x0.shape[0]
     noise = torch.randn_like(x0)
@@ -81,6 +93,13 @@ def train_experts(plan: ExpertsPlan, work: Path, out: Path, minutes: float, base
         raise SystemExit(f"{base}: no trained demo:wan2.1-t2v there; run python -m backend.demo.train wan2.1-t2v")
     deadline = time.monotonic() + minutes * 60
     work.mkdir(parents=True, exist_ok=True)
+    digest = base_digest(base)
+    ckpt = work / "experts.pt"
+    saved = load_checkpoint(ckpt)
+    if saved is not None and saved.get("base") != digest:
+        print(f"experts: {base} has changed since the checkpoint; starting over from it")
+        for stale in (ckpt, work / "latents.pt"):
+            stale.unlink(missing_ok=True)
     base_pipe = WanPipeline.from_pretrained(base, torch_dtype=torch.float32)
     for module in (base_pipe.vae, base_pipe.text_encoder, base_pipe.transformer):
         module.requires_grad_(False)
@@ -100,7 +119,6 @@ def train_experts(plan: ExpertsPlan, work: Path, out: Path, minutes: float, base
 
     rng = np.random.default_rng(plan.seed + 300)
     state = {"step": 0}
-    ckpt = work / "experts.pt"
 
     def load(saved):
         for k, m in experts.items():
@@ -135,7 +153,7 @@ def train_experts(plan: ExpertsPlan, work: Path, out: Path, minutes: float, base
     def save():
         save_checkpoint(ckpt, {**{k: m.state_dict() for k, m in experts.items()}, "opt": _Both().state_dict(),
                                "ema": {k: e.shadow for k, e in emas.items()}, "step": state["step"],
-                               "rng": rng_state(rng), "plan": asdict(plan)})
+                               "rng": rng_state(rng), "plan": asdict(plan), "base": digest})
 
     if not Stage("experts", ckpt, plan.steps, deadline).run(state, step, save):
         return False
@@ -145,13 +163,14 @@ def train_experts(plan: ExpertsPlan, work: Path, out: Path, minutes: float, base
     pipe = WanPipeline(tokenizer=base_pipe.tokenizer, text_encoder=base_pipe.text_encoder, vae=base_pipe.vae,
                        transformer=high, transformer_2=low, scheduler=base_pipe.scheduler,
                        boundary_ratio=plan.boundary_ratio)
-    export(pipe, plan, out, prompts)
+    export(pipe, plan, out, prompts, digest)
     print(f"wrote {out}")
     return True
 
 
-def export(pipe, plan: ExpertsPlan, out: Path, prompts: list[str]) -> Path:
+def export(pipe, plan: ExpertsPlan, out: Path, prompts: list[str], base_sha256: str | None = None) -> Path:
     """fp16 safetensors in diffusers layout, with training.json (the plan, the prompts no clip had)."""
-    record = {"plan": asdict(plan), "base": "wan2.1-t2v", "unseen_prompts": unseen_prompts(prompts)}
+    record = {"plan": asdict(plan), "base": "wan2.1-t2v", "base_sha256": base_sha256,
+              "unseen_prompts": unseen_prompts(prompts)}
     write_pipeline(pipe, out, record)
     return out
