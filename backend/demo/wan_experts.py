@@ -30,7 +30,7 @@ from . import WEIGHTS_ROOT, data
 from .trainkit import (Ema, Stage, load_checkpoint, lr_at, optimizer_step, resume, rng_state, save_checkpoint,
                        write_pipeline)
 from .wan import BOUNDARY_RATIO, SCHEDULER
-from .wan_train import ENCODE_LENGTH, latent_pool, prompt_embeds, unseen_prompts
+from .wan_train import ENCODE_LENGTH, flow_loss, latent_pool, prompt_embeds, unseen_prompts
 
 BASE = WEIGHTS_ROOT / "wan2.1-t2v"
 
@@ -74,15 +74,6 @@ def base_digest(base: Path) -> str:
         h.update(file.relative_to(base).as_posix().encode() + b"\0")
         h.update(hashlib.sha256(file.read_bytes()).digest())
     return h.hexdigest()
-
-
-def _flow_loss(tr, x0: torch.Tensor, embeds: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    b = x0.shape[0]
-    noise = torch.randn_like(x0)
-    s5 = sigma.view(b, 1, 1, 1, 1)
-    xt = (1 - s5) * x0 + s5 * noise
-    pred = tr(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
-    return torch.nn.functional.mse_loss(pred, noise - x0)
 
 
 def train_experts(plan: ExpertsPlan, work: Path, out: Path, minutes: float, base: Path = BASE) -> bool:
@@ -145,7 +136,7 @@ def train_experts(plan: ExpertsPlan, work: Path, out: Path, minutes: float, base
             with torch.no_grad():
                 embeds = prompt_embeds(base_pipe, text, length)
             x0 = (pool[pick].float() - mean) / std
-            total += optimizer_step(opts[k], _flow_loss(m, x0, embeds, sigmas_between(plan.batch, *halves[k])),
+            total += optimizer_step(opts[k], flow_loss(m, x0, embeds, sigmas_between(plan.batch, *halves[k])),
                                     m.parameters())
             emas[k].update(i)
         return total / 2

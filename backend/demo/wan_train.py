@@ -213,6 +213,17 @@ def prompt_embeds(pipe, prompts: list[str], max_sequence_length: int) -> torch.T
     return torch.nn.functional.pad(embeds, (0, 0, 0, max_sequence_length - embeds.shape[1]))
 
 
+def flow_loss(tr, x0: torch.Tensor, embeds: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Rectified-flow loss of a Wan transformer on latents ``x0`` noised at ``sigma`` (one a clip): the MSE of
+    the predicted velocity ``noise - x0`` (what UniPC on flow sigmas integrates)."""
+    b = x0.shape[0]
+    noise = torch.randn_like(x0)
+    s5 = sigma.view(b, 1, 1, 1, 1)
+    xt = (1 - s5) * x0 + s5 * noise
+    pred = tr(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
+    return torch.nn.functional.mse_loss(pred, noise - x0)
+
+
 def train_transformer(plan: WanPlan, work: Path, vae, stats: dict, deadline: float):
     """Flow matching of the transformer and the text encoder on the pool's latents; (pipeline, done)."""
     from diffusers import UniPCMultistepScheduler, WanPipeline
@@ -258,15 +269,9 @@ def train_transformer(plan: WanPlan, work: Path, vae, stats: dict, deadline: flo
         x0 = (pool[pick].float() - mean) / std
         length = ENCODE_LENGTH if rng.random() < plan.short_text else plan.max_sequence_length
         embeds = prompt_embeds(pipe, text, length)
-        b = x0.shape[0]
-        sigma = torch.sigmoid(torch.randn(b))
+        sigma = torch.sigmoid(torch.randn(x0.shape[0]))
         sigma = shift * sigma / (1 + (shift - 1) * sigma)  # the sampler's flow shift: more of the high-noise part
-        noise = torch.randn_like(x0)
-        s5 = sigma.view(b, 1, 1, 1, 1)
-        xt = (1 - s5) * x0 + s5 * noise
-        pred = tr(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred, noise - x0)
-        value = optimizer_step(opt, loss, params)
+        value = optimizer_step(opt, flow_loss(tr, x0, embeds, sigma), params)
         ema.update(i)
         return value
 
