@@ -467,3 +467,38 @@ def test_wan22_draws_the_asked_clip_from_the_browser(browser, app):  # noqa: F81
         choose(page, "model-picker", "demo:qwen-image")
         expect(page.locator("#gen-note")).to_contain_text("demo:qwen-image loaded", timeout=600_000)
         page.close()
+
+
+def test_size_swap_and_aspect_presets_set_the_fields_the_job_uses(browser, app):  # noqa: F811
+    """#26 "no size presets or W/H swap": *⇄ swap* exchanges width and height, *Aspect* sets both for a W:H
+    keeping about the area (multiples of 16), and the job runs at the size the fields show."""
+    page = open_page(browser, app)
+    try:
+        fill(page, "field-height", 48)
+        fill(page, "field-width", 96)
+        page.locator("#size-swap").click()
+        expect(page.locator("#field-height input")).to_have_value("96")
+        expect(page.locator("#field-width input")).to_have_value("48")
+        choose(page, "size-aspect", "16:9")  # 96x48's area at 16:9: 96 wide, 48 high (multiples of 16)
+        expect(page.locator("#field-height input")).to_have_value("48")
+        expect(page.locator("#field-width input")).to_have_value("96")
+        choose(page, "size-aspect", "1:1")
+        expect(page.locator("#field-height input")).to_have_value("64")
+        expect(page.locator("#field-width input")).to_have_value("64")
+        page.locator("#size-swap").click()  # a square stays square
+        expect(page.locator("#field-width input")).to_have_value("64")
+        choose(page, "size-aspect", "9:16")
+        expect(page.locator("#field-height input")).to_have_value("80")
+        expect(page.locator("#field-width input")).to_have_value("48")
+        fill(page, "prompt", "a red digit 3 on a black background")
+        fill(page, "field-num_inference_steps", 2)
+        before = {j["id"] for j in all_jobs(app)}
+        page.locator("#generate-btn").click()
+        job = wait_for("the job", lambda: next((j for j in all_jobs(app) if j["id"] not in before
+                                                and j["status"] in ("succeeded", "failed", "cancelled")), None),
+                       timeout=600)
+        assert job["status"] == "succeeded", job
+        with Image.open(job["result"]["path"]) as img:
+            assert img.size == (48, 80), img.size
+    finally:
+        page.close()

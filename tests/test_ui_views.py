@@ -234,3 +234,14 @@ def test_the_first_run_hint_names_a_demo_lora_that_fits_and_escapes_the_card():
     assert "&lt;lora:demo-&lt;b&gt;x&lt;/b&gt;:1&gt;" in hint and "drains &lt;i&gt;it&lt;/i&gt;" in hint
     assert "<b>x" not in hint and "mine" not in hint and "demo-far" not in hint
     assert views.lora_hint(cards[:2], "demo:qwen-image", "p") == ""  # no fitting demo LoRA: no hint
+
+
+def test_aspect_presets_keep_the_area_in_multiples_of_16():
+    from ui.views import aspect_size
+
+    assert aspect_size("1:1", 1328, 1328) == (1328, 1328)
+    assert aspect_size("16:9", 1328, 1328) == (1776, 992) and aspect_size("9:16", 1328, 1328) == (992, 1776)
+    assert aspect_size("4:3", 64, 64) == (80, 48) and aspect_size("1:1", 8, 8) == (16, 16)
+    for bad in ("wide", "16:0", "0:9", "-1:2"):
+        with pytest.raises(ValueError, match="not W:H"):
+            aspect_size(bad, 64, 64)

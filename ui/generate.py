@@ -195,6 +195,8 @@ class GenerateTab:
     prompt: gr.Textbox = None
     seed: gr.Number = None
     widgets: dict = field(default_factory=dict)
+    aspect: gr.Dropdown = None  # W:H presets for the size fields
+    swap: gr.Button = None  # width <-> height
     stack: gr.State = None
     rows: list = field(default_factory=list)
     pick: gr.Dropdown = None
@@ -330,10 +332,13 @@ def build(studio) -> GenerateTab:
                 t.seed = gr.Number(label="Seed (seed)", value=42, precision=0, minimum=-1, elem_id="seed", scale=3,
                                    info="-1: a random seed (the one used is in the result's metadata)")
                 dice = gr.Button("Random seed", scale=1, elem_id="seed-random")
-            with gr.Row():
+            with gr.Row(equal_height=True):
                 for w in WIDGETS:
                     if w.group == "size":
                         t.widgets[w.name] = _widget(w)
+                t.aspect = gr.Dropdown(label="Aspect", choices=list(views.ASPECTS), value=None, elem_id="size-aspect",
+                                     info="sets width and height, keeping the area", scale=1, min_width=110)
+                t.swap = gr.Button("⇄ swap", elem_id="size-swap", scale=0, min_width=80)
             with gr.Row():
                 for w in WIDGETS:
                     if w.group == "video":
@@ -471,6 +476,29 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                   concurrency_limit=None)
 
     dice.click(lambda: random.randrange(2**31), None, t.seed, api_visibility="private", queue=False)
+
+    height, width = t.widgets["height"], t.widgets["width"]
+
+    def sized(model_id):  # the fields' defaults for the shown model (a blank field means its default)
+        m = models_by_id(studio).get(model_id)
+        return (m.defaults if m else {}) or {}
+
+    def swap_sides(h, w, model_id):
+        d = sized(model_id)
+        return (w if w is not None else d.get("width")), (h if h is not None else d.get("height"))
+
+    def to_aspect(choice, h, w, model_id):
+        if not choice:
+            return gr.update(), gr.update()
+        d = sized(model_id)
+        h, w = h if h is not None else d.get("height"), w if w is not None else d.get("width")
+        if h is None or w is None:
+            raise gr.Error("this model takes no width and height", print_exception=False)
+        new_w, new_h = views.aspect_size(choice, w, h)
+        return new_h, new_w
+
+    t.swap.click(swap_sides, [height, width, t.model], [height, width], api_visibility="private", queue=False)
+    t.aspect.input(to_aspect, [t.aspect, height, width, t.model], [height, width], api_visibility="private", queue=False)
 
     def add_adapter(name, stack, model_id):
         if not name:

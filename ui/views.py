@@ -83,6 +83,30 @@ def lora_hint(cards: list[dict], model: str | None, prompt: str) -> str:
             f'a weight of 0.5 gives part of it). The LoRAs tab lists the others.</div>')
 
 
+# -- sizes ------------------------------------------------------------------------------------
+ASPECTS = ("1:1", "4:3", "3:4", "3:2", "2:3", "16:9", "9:16")
+
+
+def aspect_size(aspect: str, width: int, height: int, multiple: int = 16) -> tuple[int, int]:
+    """(width, height) of ``aspect`` ("16:9") with about the area of ``width`` x ``height``, each side a
+    multiple of ``multiple`` (the pipelines' rule), at least one multiple."""
+    import math
+
+    a, _, b = aspect.partition(":")
+    try:
+        ratio = float(a) / float(b)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"aspect {aspect!r}: not W:H (e.g. 16:9)") from None
+    if not (ratio > 0 and math.isfinite(ratio)):
+        raise ValueError(f"aspect {aspect!r}: not W:H (e.g. 16:9)")
+    area = max(1, int(width)) * max(1, int(height))
+
+    def side(x: float) -> int:
+        return max(multiple, int(round(x / multiple)) * multiple)
+
+    return side(math.sqrt(area * ratio)), side(math.sqrt(area / ratio))
+
+
 # -- jobs -------------------------------------------------------------------------------------
 def job_fraction(job: dict) -> float:
     prog = job.get("progress") or {}
