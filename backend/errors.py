@@ -32,6 +32,13 @@ class StudioError(Exception):
         return {"class": type(self).__name__, "message": self.message, "status": self.http_status,
                 "type": self.kind, "param": self.param}
 
+    def replacing(self, old: str, new: str) -> "StudioError":
+        """The same error (class, param, status, type) with ``old`` in its message shown as ``new``: a
+        server-side path (a staging copy, an upload's temporary file) as the name the user knows."""
+        exc = type(self)(self.message.replace(old, new), param=self.param)
+        exc.http_status, exc.kind = self.http_status, self.kind
+        return exc
+
     @staticmethod
     def from_wire(d: dict, message: str | None = None) -> "StudioError":
         """The error ``to_wire`` described: its class (StudioError if unknown, e.g. a row written by an

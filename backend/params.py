@@ -78,7 +78,7 @@ def validate(spec: PipelineSpec, request: dict, defaults: dict | None = None) ->
     for name in sorted(spec.required):
         if params.get(name) is None:
             raise InvalidParameter(f"{name!r} is required for {spec.class_name}", param=name)
-    _check_shape(spec, params)
+    check_shape(spec, params)
     if params.get("seed") in (None, -1):  # -1: random, as in A1111 (the seed used is in the metadata)
         params["seed"] = random.randrange(2**31)
     return params
@@ -130,7 +130,8 @@ def _size_from_image(spec: PipelineSpec, params: dict, request: dict) -> None:
         params["height"], params["width"] = snap(math.sqrt(area / aspect)), snap(math.sqrt(area * aspect))
 
 
-def _check_shape(spec: PipelineSpec, params: dict) -> None:
+def check_shape(spec: PipelineSpec, params: dict) -> None:
+    """Height and width a multiple of the pipeline's size multiple; frames its 4k+1 rule (those given)."""
     m = spec.size_multiple
     for name in ("height", "width"):
         if name in params and params[name] % m:
@@ -156,8 +157,8 @@ def _image(value, name: str = "image"):
         try:
             with Image.open(path) as img:
                 return img.convert("RGB")
-        except OSError as exc:
-            raise InvalidParameter(f"{name!r} file {str(path)!r} is not a readable image ({exc})",
-                                   param=name) from None
+        except Exception as exc:  # noqa: BLE001 - PIL on untrusted bytes; its text carries the server's path
+            raise InvalidParameter(f"{name!r} is not an image this can read ({path.name}: "
+                                   f"{type(exc).__name__}; PNG, JPEG or WebP)", param=name) from None
     raise InvalidParameter(f"{name!r} must be an image or a path to one, got {type(value).__name__}",
                            param=name)

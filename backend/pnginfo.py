@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
+from .errors import InvalidParameter
 from .lora.prompt_tags import tidy
 
 _SIZE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
@@ -32,15 +33,21 @@ def read_info(path) -> dict | None:
 
     from .outputs import EXIF_IFD, EXIF_USER_COMMENT, exif_of, read_png_metadata
 
-    own = read_png_metadata(path)
+    try:
+        own = read_png_metadata(path)
+        if not own:
+            with Image.open(path) as img:  # opening reads the chunks before the pixels; nothing is decoded
+                info = dict(img.info)
+                try:
+                    comment = exif_of(img).get_ifd(EXIF_IFD).get(EXIF_USER_COMMENT)
+                except Exception:  # no or broken EXIF
+                    comment = None
+    except Exception as exc:  # noqa: BLE001 - PIL on untrusted bytes raises many kinds (OSError, struct.error,
+        # zlib.error, SyntaxError...), with the server's path in their text: one named error instead
+        raise InvalidParameter(f"{Path(path).name} is not an image this can read (PNG, JPEG or WebP; "
+                               f"{type(exc).__name__})", param="image") from None
     if own:
         return from_own(own)
-    with Image.open(path) as img:  # opening reads the chunks before the pixels; nothing is decoded
-        info = dict(img.info)
-        try:
-            comment = exif_of(img).get_ifd(EXIF_IFD).get(EXIF_USER_COMMENT)
-        except Exception:  # no or broken EXIF
-            comment = None
     text = info.get("parameters")
     if not text and isinstance(comment, bytes):  # A1111's JPEG/WebP: EXIF UserComment
         text = _user_comment(comment)

@@ -195,6 +195,26 @@ class Studio:
         for name, value in params.items():  # types and ranges now (400), not in the worker (a failed job)
             if name in FIELDS and name not in IMAGE_FIELDS and name != "references":
                 check_field(name, value)
+        preset = self.current_preset() if current else None
+        if preset:  # the fused preset's sampling contract (steps, CFG) by name, before the job is queued
+            from .presets import get_preset
+
+            try:
+                contract = get_preset(preset)
+            except StudioError:  # a preset fused from files no longer listed: the worker's check stands
+                contract = None
+            if contract is not None:
+                contract.check(params)
+        if spec:  # the pipeline's size multiple and frame rule too (a 100-pixel height failed in the worker)
+            from .families import spec_for
+            from .params import check_shape
+
+            try:
+                shape = spec_for(spec["pipeline"])
+            except StudioError:  # a pipeline no family lists: the worker's own checks stand
+                shape = None
+            if shape is not None:
+                check_shape(shape, params)
         check_request(self.limits, (spec or {}).get("pipeline"), (spec or {}).get("defaults") or {}, params,
                       adapters)
         return params
@@ -339,6 +359,7 @@ class Studio:
         from .lora import cards
 
         model = self.current_model()
+        model_family = cards.family_of(model)
         self._collect_previews()
         with self._preview_lock:
             pending = set(self._previews.values())
@@ -361,7 +382,8 @@ class Studio:
             out.append({"name": row["name"], "format": row["format"], "rank": row["rank"], "alpha": row["alpha"],
                         "size": row["size"], "size_bytes": row["size_bytes"], "mtime": card["mtime"],
                         "usable": bool(row.get("usable")), "error": row.get("error"), "fits": fits,
-                        "fit": row["fit"]["summary"], "model": model, "family": family,
+                        "fit": row["fit"]["summary"], "model": model, "model_family": model_family,
+                        "family": family,
                         "family_source": source if family else None,
                         "base_model": cards.clean_text(hint or ""), "title": card["title"],
                         "description": card["description"], "triggers": card["triggers"], "thumbnail": thumb, "thumbnail_source": made or
@@ -547,7 +569,10 @@ class Studio:
                 shutil.copyfile(srcs[0], staged)
             from .lora.formats import inspect
 
-            inspect(staged, name)
+            try:
+                inspect(staged, name)
+            except StudioError as exc:  # named by the file the user chose, not the staging copy's path
+                raise exc.replacing(str(staged), name if folder else srcs[0].name) from None
             if os.path.lexists(target):
                 raise InvalidParameter(f"an adapter named {name!r} already exists in the library", param="name")
             os.rename(staged, target)

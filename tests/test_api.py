@@ -157,6 +157,17 @@ def test_bad_input_is_400_naming_the_field(url):
                         headers={"content-type": "application/json"}), 400)
 
 
+def test_a_size_off_the_models_multiple_is_refused_before_it_is_queued(url, studio):
+    """#26 "refused too late": a height that is not a multiple of 16 was queued and failed in the worker;
+    now the request is a 400 naming the field and no job is made (for any of the n images)."""
+    before = {j["id"] for j in studio.jobs(limit=1000)}
+    for field, value in (("height", 100), ("width", 72)):
+        e = _err(httpx.post(f"{url}/v1/images/generations", json={"prompt": "x", "n": 2, **{
+            **FAST, field: value}}, timeout=60), 400)
+        assert e["param"] == field and f"'{field}' must be a multiple of 16" in e["message"], e
+    assert [j for j in studio.jobs(limit=1000) if j["id"] not in before] == []
+
+
 def test_unknown_job_and_adapter_are_404(url):
     assert _err(httpx.get(f"{url}/v1/jobs/nope"), 404)["param"] == "job_id"
     assert _err(httpx.delete(f"{url}/v1/jobs/nope"), 404)["type"] == "not_found_error"

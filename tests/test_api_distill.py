@@ -42,11 +42,17 @@ def test_per_request_lora_is_refused_with_400(url):
 
 
 def test_breaking_the_preset_contract_is_422_by_name(url):
+    """... before anything is queued (#26 "refused too late": the job was queued, then failed in the worker)."""
+    def jobs() -> set:
+        return {j["id"] for j in httpx.get(f"{url}/v1/jobs", params={"limit": 1000}, timeout=30).json()["data"]}
+
+    before = jobs()
     r = httpx.post(f"{url}/v1/images/generations", timeout=120,
                    json={"prompt": "x", "extra_body": {"num_inference_steps": 8}})
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert err["param"] == "num_inference_steps" and PRESET in err["message"]
+    assert jobs() == before
 
 
 @pytest.fixture(scope="module")

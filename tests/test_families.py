@@ -275,3 +275,17 @@ def test_minimax_mp4_has_audio_when_the_writer_never_imported_backend_minimax(ma
     assert report["minimax_imported"] == []  # the writer's process never loaded the MiniMax package
     meta = _streams(report["path"])
     assert meta["codec"] == "h264" and meta.get("audio_codec") == "aac", meta
+
+
+def test_an_input_image_that_is_no_image_is_named_without_the_servers_path(tmp_path):
+    """#26: PIL's "cannot identify image file '<server path>'" reached the user; now the field and the
+    file's own name, with no folder of the server's."""
+    from backend import params
+    from backend.errors import InvalidParameter
+
+    upload = tmp_path / "uploads" / "3f2a-upload.img"
+    upload.parent.mkdir()
+    upload.write_bytes(b"%PDF-1.4 not an image")
+    with pytest.raises(InvalidParameter, match=r"'image' is not an image this can read \(3f2a-upload\.img") as err:
+        params.check_field("image", str(upload))
+    assert str(tmp_path) not in err.value.message and err.value.param == "image"

@@ -147,8 +147,10 @@ def _mutate(rng: random.Random, data: bytes, edits: int = 4) -> bytes:
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_png_info_of_damaged_images(budget, tmp_path):
-    """Damaged PNGs with A1111 and ComfyUI chunks: the UI shows "not a readable image" for any exception
-    (ui/gallery.py), so here the bound is time (and memory: nothing decodes pixels)."""
+    """Damaged PNGs with A1111 and ComfyUI chunks: time-bounded (nothing decodes pixels), and a damaged
+    file is one InvalidParameter naming the file by its name, never the server's path (#26: the UI showed
+    "unexpected UnidentifiedImageError: cannot identify image file '/tmp/gradio/...'")."""
+    from backend.errors import InvalidParameter
     from backend.pnginfo import read_info
 
     info = PngInfo()
@@ -174,8 +176,9 @@ def test_png_info_of_damaged_images(budget, tmp_path):
         try:
             read_info(path)
             outcome = "result"
-        except Exception:  # noqa: BLE001: the UI names the file as unreadable
+        except InvalidParameter as exc:
             assert i % 2, f"a well-formed PNG was refused: {path.read_bytes()[:400]!r}"
+            assert exc.message.startswith("fuzz.png is not an image") and str(tmp_path) not in exc.message, exc
             outcome = "unreadable"
         assert time.perf_counter() - start < CASE_S
         COUNTS.setdefault("PNG info", {}).setdefault(outcome, 0)

@@ -236,6 +236,19 @@ def test_import_with_a_hostile_name_writes_nothing_outside_the_library(served, d
     assert not any((library / ".staging").iterdir())
 
 
+def test_a_refused_import_names_the_chosen_file_not_a_server_path(served, tmp_path):
+    """#26 "errors that leak internals": a file that is no adapter was refused with the path of its staging
+    copy (``<library>/.staging/import-.../...``); it is named as the user chose it, with no server path."""
+    junk = tmp_path / "not-really.safetensors"
+    junk.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage" + bytes(64))
+    fn, trigger = _fn_index(served.url, "adapters-import")
+    out = _call(served.url, fn, trigger, [_upload(served.url, [junk]), "junk-import"])
+    status = out[2] if isinstance(out[2], str) else json.dumps(out[2])
+    assert "ls-error" in status and "not-really.safetensors" in status, status
+    assert ".staging" not in status and str(served.home) not in status and "/tmp" not in status, status
+    assert not (served.home / "adapters" / "junk-import.safetensors").exists()
+
+
 # -- 14.5: the root rule by name as by path; no bytes echoed ---------------------------------------
 def test_a_link_out_of_the_root_is_refused_by_name_and_by_path_without_its_bytes(served):
     attempts = [("/v1/images/generations", {**FAST, "lora": {"name": "leak"}}),

@@ -161,6 +161,11 @@ def test_preset_picker_fuses_and_restores(browser, app):  # noqa: F811
         page.locator("#gen-preset-apply").click()
         expect(page.locator("#gen-preset")).to_contain_text("fused preset qwen-image-2512-lightning-4step")
         expect(page.locator("#field-num_inference_steps input")).to_have_value("4")
+        # #26: the fields the preset fixes are locked, saying why (they were editable, then failed in the worker)
+        expect(page.locator("#field-num_inference_steps input")).to_be_disabled()
+        expect(page.locator("#field-num_inference_steps")).to_contain_text(
+            "set by the fused preset qwen-image-2512-lightning-4step")
+        expect(page.locator("#field-height input")).to_be_enabled()
         page.locator("#prompt textarea").fill("a red digit 3 on a black background")
         page.locator("#seed input").fill("42")
         earlier = {j["id"] for j in httpx.get(app.url + "v1/jobs", params={"limit": 1000}, timeout=30).json()["data"]}
@@ -184,6 +189,7 @@ def test_preset_picker_fuses_and_restores(browser, app):  # noqa: F811
         pick(page, "gen-preset-pick", "(none: base weights)")
         page.locator("#gen-preset-apply").click()
         expect(page.locator("#gen-preset")).to_contain_text("restored the base weights")
+        expect(page.locator("#field-num_inference_steps input")).to_be_enabled()
     finally:
         page.close()
 

@@ -16,8 +16,8 @@ from PIL import Image
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
-from ui_browser import (all_jobs, browser, expect, fill, needs_chromium, open_page, page, shot,  # noqa: F401
-                        wait_for)
+from ui_browser import (all_jobs, browser, expect, fill, generate, needs_chromium, open_page, page,  # noqa: F401
+                        reload, shot, wait_for)
 
 PRESET = "qwen-image-2512-lightning-4step"
 
@@ -85,8 +85,7 @@ def test_reload_reattaches_and_the_job_finishes(browser, page, app):  # noqa: F8
         expect(other.locator(f'#gen-status .ls-job[data-job="{short["id"]}"]')).to_be_visible()
         other.close()
 
-        page.reload()
-        page.wait_for_selector("#prompt textarea")
+        reload(page)
         expect(page.locator(f'#gen-status .ls-job[data-job="{long["id"]}"]')).to_be_visible()  # re-attached ...
         attached = page.locator(f'#gen-status .ls-job[data-job="{short["id"]}"]')
         expect(attached).to_be_visible()
@@ -148,8 +147,7 @@ def test_preset_state_is_the_servers_in_every_tab(browser, page, app):  # noqa: 
         page.get_by_role("tab", name="Generate").click()
         expect(page.locator("#fused-badge")).to_contain_text(f"fused: {PRESET}")
         expect(page.locator("#field-num_inference_steps input")).to_have_value("4")
-        page.reload()
-        page.wait_for_selector("#prompt textarea")
+        reload(page)
         expect(page.locator("#fused-badge")).to_contain_text(f"fused: {PRESET}")
         page.locator("#gen-preset").get_by_text("Preset (distill").first.click()
         expect(page.locator("#gen-preset-pick input")).to_have_value(PRESET)
@@ -212,14 +210,15 @@ def test_pin_is_reported_at_once(page, app, lora_files):  # noqa: F811
     wait_for("/v1/loras to report the unpin", lambda: not pinned(), timeout=15)
 
 
-@pytest.mark.parametrize("typed", ["3", "-2.5", "5"])
-def test_typed_weights_are_applied_as_shown(page, app, typed):  # noqa: F811
+@pytest.mark.parametrize("typed", ["3", "-2.5", "5", "-7.5"])
+def test_typed_weights_are_applied_as_typed(page, app, typed):  # noqa: F811
+    """#26: "a weight typed as 5 runs as 4.0" (the slider's box clamped it in the browser): any finite
+    weight typed runs as typed."""
     page.locator("#adapter-pick input").click()
     page.get_by_role("option", name="pin-me").first.click()
     page.locator("#adapter-add").click()
     fill(page, "stack-scale-0", typed)
-    # within the slider's -4..4 a typed weight is kept; beyond it the slider settles on its bound, 4
-    box, want = page.locator("#stack-scale-0 input[type=number]"), float(typed) if abs(float(typed)) <= 4 else 4.0
+    box, want = page.locator("#stack-scale-0 input[type=number]"), float(typed)
     wait_for(f"the weight box to show {want}", lambda: float(box.input_value() or "nan") == want, timeout=30)
     fill(page, "prompt", f"weight {typed}")
     fill(page, "field-num_inference_steps", 2)
@@ -229,6 +228,96 @@ def test_typed_weights_are_applied_as_shown(page, app, typed):  # noqa: F811
     assert done and done[0]["status"] == "succeeded", done
     assert done[0]["adapters"][0]["scale"] == want, (typed, want, done[0]["adapters"])
     page.locator("#stack-remove-0").click()
+
+
+def test_a_field_the_job_cannot_run_with_names_itself_at_the_click(page, app, lora_files):  # noqa: F811
+    """#26 "silent failures": seed -5 or batch count 0/500 did nothing but a red border (Gradio's toast,
+    while the note kept an older error); an emptied LoRA weight box ran the base with ``adapters: []``;
+    a size off the model's multiple was queued and failed in the worker. Each is now one line in the
+    tab's note naming the field, replacing the note before it, with nothing queued and the stack kept."""
+    app.add_adapter(lora_files["style"], "pin-me")  # (the pin test adds it too; this test may run alone)
+    reload(page)  # so the picker lists it
+    note = page.locator("#gen-note")
+    before = {j["id"] for j in all_jobs(app)}
+    fill(page, "prompt", "refused by name")
+    fill(page, "field-num_inference_steps", 2)
+    page.locator("#adapter-pick input").click()
+    page.get_by_role("option", name="pin-me").first.click()
+    page.locator("#adapter-add").click()
+    expect(page.locator("#stack-name-0 input, #stack-name-0 textarea").first).to_have_value("pin-me")
+    cases = [("seed", -5, "'seed' must be an integer in [0, 2^63), or -1"),
+             ("batch-count", 0, "Batch count must be 1 to 16, got 0"),
+             ("batch-count", 500, "Batch count must be 1 to 16, got 500"),
+             ("field-num_inference_steps", 0, "'num_inference_steps' must be an integer in [1, 1000], got 0"),
+             ("field-height", 100, "'height' must be a multiple of 16")]
+    good = {"seed": 5, "batch-count": 1, "field-num_inference_steps": 2, "field-height": 64}
+    for elem, value, says in cases:
+        fill(page, elem, value)
+        page.locator("#generate-btn").click()
+        expect(note.locator(".ls-error")).to_contain_text(says)
+        expect(note.locator(".ls-error")).to_have_count(1)  # the one before it is gone
+        fill(page, elem, good[elem])
+    page.locator("#stack-scale-0 input[type=number]").fill("")
+    page.locator("#stack-scale-0 input[type=number]").press("Tab")
+    page.locator("#generate-btn").click()
+    expect(note.locator(".ls-error")).to_contain_text("LoRA pin-me: the weight box is empty")
+    expect(page.locator("#stack-name-0 input, #stack-name-0 textarea").first).to_have_value("pin-me")
+    assert [j for j in all_jobs(app) if j["id"] not in before] == []
+    # set right, the same click queues the job with the adapter, and the error leaves the note
+    fill(page, "stack-scale-0", "0.5")
+    job = generate(page, app)
+    expect(note.locator(".ls-error")).to_have_count(0)
+    assert job["status"] == "succeeded" and [(a["name"], a["scale"]) for a in job["adapters"]] == [("pin-me", 0.5)]
+    page.locator("#stack-remove-0").click()
+
+
+def test_the_workspace_survives_a_reload(page, app, lora_files):  # noqa: F811
+    """#26: "Jobs reattach in 2 s, but the prompt, negative prompt, fields and LoRA stack come back
+    empty". They come back (from the browser's localStorage), with the tab that was open; a new browser
+    (another profile) starts from the defaults."""
+    app.add_adapter(lora_files["style"], "pin-me")  # (the pin test adds it too; this test may run alone)
+    reload(page)  # so the picker lists it
+    fill(page, "prompt", "a workspace worth keeping")
+    fill(page, "field-negative_prompt", "blurry")
+    fill(page, "seed", 1234)
+    fill(page, "field-num_inference_steps", 3)
+    fill(page, "field-height", 80)
+    page.locator("#adapter-pick input").click()
+    page.get_by_role("option", name="pin-me").first.click()
+    page.locator("#adapter-add").click()
+    fill(page, "stack-scale-0", "0.7")
+    page.get_by_role("tab", name="Gallery").click()
+    expect(page.locator("#tab-gallery")).to_be_visible()
+    # saved: the workspace (written as the fields changed) and the open tab (written by the click)
+    wait_for("the workspace and the tab saved", lambda: {"lora-studio-workspace", "lora-studio-workspace-tab"}
+             <= set(page.evaluate("Object.keys(localStorage)")))
+
+    reload(page)
+    expect(page.locator("#tab-gallery")).to_be_visible()
+    page.get_by_role("tab", name="Generate").click()
+    expect(page.locator("#prompt textarea")).to_have_value("a workspace worth keeping")
+    expect(page.locator("#field-negative_prompt textarea")).to_have_value("blurry")
+    expect(page.locator("#seed input")).to_have_value("1234")
+    expect(page.locator("#field-num_inference_steps input")).to_have_value("3")
+    expect(page.locator("#field-height input")).to_have_value("80")
+    expect(page.locator("#stack-name-0 input, #stack-name-0 textarea").first).to_have_value("pin-me")
+    expect(page.locator("#stack-scale-0 input[type=number]")).to_have_value("0.7")
+    expect(page.locator("#gen-note")).to_contain_text("restored your workspace: the prompt, the fields, 1 LoRA")
+    # and it is the workspace the job runs with
+    fill(page, "field-height", 64)
+    job = generate(page, app)
+    assert job["status"] == "succeeded", job
+    p = job["params"]
+    assert (p["prompt"], p["negative_prompt"], p["seed"], p["num_inference_steps"]) == \
+        ("a workspace worth keeping", "blurry", 1234, 3), p
+    assert [(a["name"], a["scale"]) for a in job["adapters"]] == [("pin-me", 0.7)]
+
+    other = open_page(page.context.browser, app)  # a fresh browser context: its own (empty) storage
+    try:
+        expect(other.locator("#prompt textarea")).to_have_value("")
+        expect(other.locator("#stack-row-0")).to_be_hidden()
+    finally:
+        other.close()
 
 
 def test_seed_minus_one_is_random_and_shown(page, app):  # noqa: F811
@@ -242,6 +331,8 @@ def test_seed_minus_one_is_random_and_shown(page, app):  # noqa: F811
     assert done["status"] == "succeeded" and seed >= 0
     expect(page.locator("#gen-status")).to_contain_text(f"seed {seed}")
     assert page.locator(".toast-body, .toast-wrap .error").count() == 0
+    # #26: the "queued job N · position 1" note left with the job (it stayed after the job ended)
+    expect(page.locator("#gen-note")).not_to_contain_text("queued job")
 
 
 def test_typed_model_says_how_to_get_one(page):
@@ -253,11 +344,27 @@ def test_typed_model_says_how_to_get_one(page):
 
 
 def test_queue_table_shows_prompt_created_took_and_error(page, app):  # noqa: F811
+    """The table fits the page and stays still while nothing changes (#26: headers wrapped letter by
+    letter, the last columns were off-screen, and every row was redrawn under the cursor each second)."""
+    ticks = []
+    page.on("request", lambda r: ticks.append(r.url) if "/run/predict" in r.url or "/queue/join" in r.url else None)
     page.get_by_role("tab", name="Queue").click()
     table = page.locator("#queue-table")
     for header in ("prompt", "created", "took", "error"):
         expect(table.get_by_role("columnheader", name=header, exact=True).first).to_be_visible()
     expect(table).to_contain_text("a random seed")
+    width = page.evaluate("document.documentElement.clientWidth")
+    for header in table.get_by_role("columnheader").all():
+        box = header.bounding_box()
+        assert box["x"] + box["width"] <= width + 1, (header.inner_text(), box, width)
+        assert box["height"] < 60, (header.inner_text(), box)  # one line, not a letter per line
+    cell = table.locator("tbody td").first
+    cell.evaluate("e => { e.dataset.marked = '1'; }")  # a redraw replaces the node and loses the mark
+    seen = len(ticks)  # the page's timers: the Generate tab's poll (0.5 s) and the Queue table's (1 s):
+    # 12 requests take at least 4 s, so the table's timer has ticked at least three times
+    # (Playwright delivers request events while it runs: the check lets it run a moment each time)
+    wait_for("the queue timer's ticks", lambda: page.wait_for_timeout(100) or len(ticks) >= seen + 12, timeout=30)
+    assert table.locator("[data-marked='1']").count() == 1, "the idle table was redrawn"
 
 
 def test_lora_tag_in_the_prompt_equals_the_stack(page, app):  # noqa: F811
@@ -265,13 +372,10 @@ def test_lora_tag_in_the_prompt_equals_the_stack(page, app):  # noqa: F811
     from PIL import Image
 
     def generate_and_wait(prompt: str) -> dict:
-        before = {j["id"] for j in all_jobs(app)}
         fill(page, "prompt", prompt)
-        page.locator("#generate-btn").click()
-        new = wait_for("the job", lambda: [j for j in all_jobs(app) if j["id"] not in before
-                                           and j["status"] in ("succeeded", "failed", "cancelled")])
-        assert new[0]["status"] == "succeeded", new[0]
-        return new[0]
+        job = generate(page, app)
+        assert job["status"] == "succeeded", job
+        return job
 
     fill(page, "seed", 5)
     fill(page, "field-num_inference_steps", 2)

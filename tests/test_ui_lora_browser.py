@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
-from ui_browser import (all_jobs, browser, expect, fill, needs_chromium, open_page, page, shot,  # noqa: F401
-                        wait_for)
+from ui_browser import (all_jobs, browser, expect, fill, generate, needs_chromium, open_page, page,  # noqa: F401
+                        shot)
 from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
 
 pytestmark = needs_chromium
@@ -86,19 +86,46 @@ def test_cards_show_the_headers_and_search_narrows(page, library):  # noqa: F811
     fill(page, "lora-search", "")
     expect(spec).to_be_visible()
 
-    # the library's demo adapters for other models are greyed out with their reason; the filters
-    # keep only what fits the loaded model, or one family
-    expect(page.locator("#lora-cards .ls-lcard-off .ls-reason").first).to_be_visible()
-    page.locator("#lora-fits input").check()
+    # #26: by default only what fits the loaded model is a card; the library's demo adapters for other
+    # models fold into one plain line each (it was 9 greyed cards of 12, with converter errors and paths)
+    expect(page.locator("#lora-fits input")).to_be_checked()
     expect(page.locator("#lora-cards .ls-lcard-off")).to_have_count(0)
     expect(spec).to_be_visible()
+    folded = page.locator("#lora-cards details.ls-misfits")
+    expect(folded.locator("summary")).to_contain_text("more do not fit demo:qwen-image")
+    expect(folded.locator("li").first).to_be_hidden()  # collapsed until asked
+    folded.locator("summary").click()
+    lines = folded.locator("li").all_inner_texts()
+    assert lines and any(": made for Wan2.2, not demo:qwen-image" in line for line in lines), lines
+    assert not any("unmatched key" in line or "/" in line or "refused" in line for line in lines), lines
+    # the whole list is still one click away, greyed with the converter's own words
     page.locator("#lora-fits input").uncheck()
-    expect(page.locator("#lora-cards .ls-lcard-off").first).to_be_visible()
+    expect(page.locator("#lora-cards .ls-lcard-off .ls-reason").first).to_be_visible()
+    expect(page.locator("#lora-cards details.ls-misfits")).to_have_count(0)
     page.locator("#lora-family input").click()
     page.get_by_role("option", name="Wan2.2", exact=True).click()
     expect(kohya).to_have_count(0)
     families = page.locator("#lora-cards .ls-family").all_inner_texts()
     assert families and all("Wan2.2" in f for f in families), families
+
+
+def test_the_browser_is_a_drawer_under_the_prompt_and_long_names_are_whole(page, library, lora_files):  # noqa: F811
+    """#26: the browser was folded at the bottom of the page (under the whole Generate tab); long names
+    were cut to one line."""
+    long_name = "a-really-long-adapter-name-" + "that-goes-on-" * 6 + "end"
+    library.add_adapter(lora_files["other"], long_name)
+    try:
+        open_browser(page)
+        box = {k: page.locator(sel).bounding_box() for k, sel in (
+            ("prompt", "#prompt"), ("browser", "#lora-browser"), ("stack", "#lora-stack"),
+            ("generate", "#generate-btn"))}
+        assert box["prompt"]["y"] < box["browser"]["y"] < box["stack"]["y"], box
+        assert box["browser"]["x"] + box["browser"]["width"] <= box["generate"]["x"], box  # the left column
+        head = card(page, long_name).locator("h4")
+        expect(head).to_have_text(long_name)
+        assert head.evaluate("e => e.scrollWidth <= e.clientWidth"), "the name overflows its card"
+    finally:
+        (library.data_dir / "adapters" / f"{long_name}.safetensors").unlink()
 
 
 def test_the_open_browser_follows_the_library(page, library, lora_files):  # noqa: F811
@@ -121,13 +148,10 @@ def test_trigger_word_goes_into_the_prompt_and_a_card_into_the_stack(page, libra
     expect(page.locator("#gen-note")).to_contain_text("added spec-dog to the LoRA stack")
 
     fill(page, "field-num_inference_steps", 2)
-    before = {j["id"] for j in all_jobs(library)}
-    page.locator("#generate-btn").click()
-    done = wait_for("the job", lambda: [j for j in all_jobs(library) if j["id"] not in before
-                                        and j["status"] in ("succeeded", "failed", "cancelled")])
-    assert done[0]["status"] == "succeeded", done[0]
-    assert done[0]["params"]["prompt"] == "a cat on a sofa, orange cat"
-    assert [a["name"] for a in done[0]["adapters"]] == ["spec-dog"]
+    done = generate(page, library)
+    assert done["status"] == "succeeded", done
+    assert done["params"]["prompt"] == "a cat on a sofa, orange cat"
+    assert [a["name"] for a in done["adapters"]] == ["spec-dog"]
     expect(page.locator("#result-metadata")).to_contain_text("spec-dog")
 
 

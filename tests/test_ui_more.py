@@ -10,11 +10,10 @@ import time
 
 import httpx
 import numpy as np
-import pytest
 from PIL import Image
 
-from ui_browser import (TIMEOUT_MS, all_jobs, browser, expect, fill, needs_chromium, open_page, page,  # noqa: F401
-                        shot, wait_for)
+from ui_browser import (TIMEOUT_MS, all_jobs, browser, expect, fill, generate, loaded,  # noqa: F401
+                        needs_chromium, open_page, page, reload, shot, wait_for)
 from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
 
 pytestmark = needs_chromium
@@ -34,8 +33,7 @@ def add_to_stack(page, name: str) -> None:
 
 def test_xyz_plot_scale_by_seed_is_one_labelled_png(page, app, lora_files):  # noqa: F811
     app.add_adapter(lora_files["style"], "plot-style")
-    page.reload()
-    page.wait_for_selector("#prompt textarea")
+    reload(page)
     fill(page, "prompt", "a plotted lighthouse")
     fill(page, "field-num_inference_steps", 2)
     fill(page, "seed", 11)
@@ -150,12 +148,9 @@ def test_dropped_a1111_and_comfyui_pngs_fill_the_fields(page, app, lora_files, t
     expect(page.locator("#field-height input")).to_have_value("80")
     # and the settings generate as read
     fill(page, "field-height", 64)
-    before = {j["id"] for j in all_jobs(app)}
-    page.locator("#generate-btn").click()
-    new = wait_for("the job", lambda: [j for j in all_jobs(app) if j["id"] not in before
-                                       and j["status"] in ("succeeded", "failed", "cancelled")])
-    assert new[0]["status"] == "succeeded", new[0]
-    p = new[0]["params"]
+    new = generate(page, app)
+    assert new["status"] == "succeeded", new
+    p = new["params"]
     assert (p["prompt"], p["seed"], p["num_inference_steps"], p["true_cfg_scale"], p["negative_prompt"]) == \
         ("a comfy castle", 4242, 5, 3.0, "watermark")
 
@@ -208,8 +203,7 @@ def test_plots_over_the_budget_are_refused_before_any_job(page, app, lora_files)
     X/Y/Z plot of 64 cells at 2048x16 drew a 1,311,162 x 210 px PNG the app could not reopen. Both are
     refused now, by name, with no job queued."""
     app.add_adapter(lora_files["style"], "budget-style")
-    page.reload()
-    page.wait_for_selector("#prompt textarea")
+    reload(page)
     before = {j["id"] for j in all_jobs(app)}
 
     page.get_by_role("tab", name="Compare").click()
@@ -242,8 +236,7 @@ def test_gallery_captions_filters_pages_and_delete(page, app, lora_files):  # no
     from pathlib import Path
 
     app.add_adapter(lora_files["style"], "gal-style")
-    page.reload()
-    page.wait_for_selector("#prompt textarea")
+    reload(page)
     fill(page, "field-num_inference_steps", 1)
     fill(page, "field-height", 64)
     fill(page, "field-width", 64)
@@ -328,8 +321,7 @@ def test_a_finished_job_changes_the_title_and_notifies(browser, app):  # noqa: F
     try:
         page.set_default_timeout(TIMEOUT_MS)
         page.goto(app.url)
-        page.wait_for_selector("#prompt textarea")
-        expect(page.locator("#fused-badge .ls-badge")).to_be_visible()
+        loaded(page)
         assert page.evaluate("Notification.permission") == "granted"
         fill(page, "prompt", "tell me when done")
         fill(page, "field-num_inference_steps", 3)
@@ -344,8 +336,7 @@ def test_a_finished_job_changes_the_title_and_notifies(browser, app):  # noqa: F
         notified = page.evaluate("window.__notified")
         assert notified == [["LoRA Studio", f"job {job['id']} succeeded"]], notified
         # a reload finds the job finished: no second notification, and the title is plain again
-        page.reload()
-        page.wait_for_selector("#prompt textarea")
+        reload(page)
         expect(page.locator(f'#gen-status .ls-job[data-job="{job["id"]}"]')).to_have_count(0)
         assert page.evaluate("window.__notified") == []
         assert page.title() == "LoRA Studio"
@@ -381,18 +372,23 @@ def test_send_onward_reuses_the_seed_and_feeds_image_to_video(page, app):  # noq
     page.locator("#send-seed").click()
     expect(page.locator("#seed input")).to_have_value(str(seed))
 
+    # a preset fused into the image model: the switch to image-to-video unfuses it, and says so (#26: it
+    # was silent, the next note "sent ... as its input image" replaced the switch's)
+    preset = "qwen-image-2512-lightning-4step"
+    page.locator("#gen-preset").get_by_text("Preset (distill").first.click()
+    choose(page, "gen-preset-pick", preset)
+    page.locator("#gen-preset-apply").click()
+    expect(page.locator("#gen-preset")).to_contain_text(f"fused preset {preset}")
+
     # the image into an image-to-video model's input: the tab switches to one, the image is in its field
     page.locator("#send-i2v").click()
     expect(page.locator("#gen-note")).to_contain_text("as its input image", timeout=600_000)
+    expect(page.locator("#gen-note")).to_contain_text(f"preset {preset} is no longer fused")
     expect(page.locator("#model-picker input")).to_have_value(re.compile(r"^demo:wan2\.2-i2v"))
     expect(page.locator("#field-image img")).to_be_visible()
     fill(page, "prompt", "it moves")
     fill(page, "field-num_inference_steps", 2)
-    before = {j["id"] for j in all_jobs(app)}
-    page.locator("#generate-btn").click()
-    video = wait_for("the video job", lambda: next((j for j in all_jobs(app) if j["id"] not in before
-                                                    and j["status"] in ("succeeded", "failed", "cancelled")), None),
-                     timeout=600)
+    video = generate(page, app, timeout=600)
     assert video["status"] == "succeeded" and video["model"] == "demo:wan2.2-i2v", video
     sent = np.asarray(Image.open(video["params"]["image"]).convert("RGB"))
     assert np.array_equal(sent, np.asarray(Image.open(made["result"]["path"]).convert("RGB")))
@@ -401,11 +397,7 @@ def test_send_onward_reuses_the_seed_and_feeds_image_to_video(page, app):  # noq
     expect(page.locator("#result-video video")).to_be_visible()
     page.locator("#send-i2v").click()
     expect(page.locator("#gen-note")).to_contain_text("-last.png to demo:wan2.2-i2v")
-    before = {j["id"] for j in all_jobs(app)}
-    page.locator("#generate-btn").click()
-    again = wait_for("the second video job", lambda: next((j for j in all_jobs(app) if j["id"] not in before
-                                                           and j["status"] in ("succeeded", "failed", "cancelled")),
-                                                          None), timeout=600)
+    again = generate(page, app, timeout=600)
     assert again["status"] == "succeeded", again
     import imageio.v3 as iio
 
@@ -452,11 +444,7 @@ def test_wan22_draws_the_asked_clip_from_the_browser(browser, app):  # noqa: F81
         expect(page.locator("#gen-note")).to_contain_text("demo:wan2.2-t2v loaded", timeout=600_000)
         fill(page, "prompt", "a green digit 4 moving right on a black background")
         fill(page, "seed", 1)
-        before = {j["id"] for j in all_jobs(app)}
-        page.locator("#generate-btn").click()
-        clip = wait_for("the clip's job", lambda: next((j for j in all_jobs(app) if j["id"] not in before
-                                                        and j["status"] in ("succeeded", "failed", "cancelled")),
-                                                       None), timeout=600)
+        clip = generate(page, app, timeout=600)
         assert clip["status"] == "succeeded" and clip["model"] == "demo:wan2.2-t2v", clip
         expect(page.locator("#result-video video")).to_be_visible()
         got = read_clip(list(iio.imiter(clip["result"]["path"], plugin="FFMPEG")))
@@ -492,11 +480,7 @@ def test_size_swap_and_aspect_presets_set_the_fields_the_job_uses(browser, app):
         expect(page.locator("#field-width input")).to_have_value("48")
         fill(page, "prompt", "a red digit 3 on a black background")
         fill(page, "field-num_inference_steps", 2)
-        before = {j["id"] for j in all_jobs(app)}
-        page.locator("#generate-btn").click()
-        job = wait_for("the job", lambda: next((j for j in all_jobs(app) if j["id"] not in before
-                                                and j["status"] in ("succeeded", "failed", "cancelled")), None),
-                       timeout=600)
+        job = generate(page, app, timeout=600)
         assert job["status"] == "succeeded", job
         with Image.open(job["result"]["path"]) as img:
             assert img.size == (48, 80), img.size

@@ -67,6 +67,18 @@ def test_the_stack_becomes_the_facade_payload_and_back():
     assert adapter_payload(stack_from_payload(two), two_stage=True) == two
 
 
+def test_a_blank_weight_is_refused_by_the_adapters_name_only_where_the_job_reads_it():
+    from ui.generate import stack_weights
+
+    row = {"name": "ink", "scale": None, "split": True, "high": 1.0, "low": 0.5}
+    with pytest.raises(ValueError, match="LoRA ink: the weight box is empty"):
+        stack_weights([row], two_stage=False)
+    assert stack_weights([row], two_stage=True) == [row]  # split: the two boxes are the ones read
+    with pytest.raises(ValueError, match="LoRA ink: the transformer_2 \\(low noise\\) weight 'nan' is not a finite"):
+        stack_weights([{**row, "low": "nan"}], two_stage=True)
+    assert stack_weights([{**row, "split": False, "schedule": "0.5->1"}], two_stage=False)  # the text replaces them
+
+
 def test_settings_come_back_from_metadata():
     from ui.views import settings_from_metadata
 
@@ -155,6 +167,13 @@ def test_queue_rows_carry_the_prompt():
                            "created_at": 0, "error": "boom"}])[0]
     assert dict(zip(views.JOB_COLUMNS, row))["prompt"] == "a cat"
     assert dict(zip(views.JOB_COLUMNS, row))["error"] == "boom"
+    queued, load = views.job_rows([
+        {"id": "q", "kind": "generate", "status": "queued", "queue_position": 2, "model": "m", "preset": "p4"},
+        {"id": "l", "kind": "load_model", "status": "running", "model": "m"}])
+    assert dict(zip(views.JOB_COLUMNS, queued))["status"] == "queued · 2"
+    assert dict(zip(views.JOB_COLUMNS, queued))["model"] == "m + p4"
+    assert dict(zip(views.JOB_COLUMNS, load))["status"] == "load_model: running"
+    assert len(views.JOB_COLUMNS) == len(views.JOB_COLUMN_WIDTHS) == len(queued)
 
 
 def test_grid_labels_cancelled_cells_apart_from_failed_ones():
@@ -245,3 +264,54 @@ def test_aspect_presets_keep_the_area_in_multiples_of_16():
     for bad in ("wide", "16:0", "0:9", "-1:2"):
         with pytest.raises(ValueError, match="not W:H"):
             aspect_size(bad, 64, 64)
+
+
+def test_a_saved_workspace_is_read_as_untrusted_input(tmp_path):
+    """ui/workspace.py: what the browser sends back is only put into the tab as known fields of the right
+    kind, a bounded stack of well-formed rows whose adapters fit, and the key file is the owner's."""
+    from ui import workspace
+
+    fields = workspace.clean_fields({"height": 64.0, "num_inference_steps": 2.7, "negative_prompt": 5,
+                                     "task_type": "t2va", "sample_solver": "../../etc", "seed": 3,
+                                     "guidance_scale": float("nan"), "width": True, "image": "/tmp/x.png"})
+    assert fields == {"height": 64, "num_inference_steps": 2, "task_type": "t2va"}
+    stack, left = workspace.clean_stack([{"name": "a", "scale": 5, "split": 0, "high": "x"}, 3, {"name": "b"},
+                                         {"name": "a", "scale": 1}, {"name": ["c"]},
+                                         {"name": "d", "schedule": "0.5->1", "scale": None}], {"a", "d"}, 6)
+    assert stack == [{"name": "a", "split": False, "scale": 5, "high": 5, "low": 5},
+                     {"name": "d", "split": False, "scale": None, "high": None, "low": None, "schedule": "0.5->1"}]
+    assert left == ["b"]
+    assert len(workspace.clean_stack([{"name": f"x{i}"} for i in range(100)], {f"x{i}" for i in range(100)},
+                                     6)[0]) == 6
+    key = workspace.secret(tmp_path)
+    assert len(key) == 64 and workspace.secret(tmp_path) == key  # made once, then read back
+    assert (tmp_path / workspace.SECRET_FILE).stat().st_mode & 0o077 == 0
+
+
+def test_a_misfit_is_one_plain_line_and_the_fold_lists_them():
+    from ui.views import cards_html, misfit_reason
+
+    base = {"model": "demo:qwen-image", "model_family": "Qwen-Image", "usable": True, "fits": False}
+    wan = {**base, "name": "wan-style", "family": "Wan2.2", "family_source": "name",
+           "fit": "refused: 96 unmatched key(s): blocks.0.attn1.to_q [no such layer]"}
+    shapes = {**base, "name": "big-qwen", "family": "Qwen-Image", "family_source": "metadata",
+              "fit": "refused: 12 shape mismatch(es): transformer_blocks.0.attn.to_q: adapter (4, 3072) vs model (4, 64)"}
+    unknown = {**base, "name": "odd", "family": None, "fit": "refused: 7 unmatched key(s): x [no such layer]"}
+    broken = {**base, "name": "bad", "usable": False, "error": "/srv/lib/bad.safetensors: not a safetensors file"}
+    assert misfit_reason(wan) == "made for Wan2.2, not demo:qwen-image (by its name)"
+    assert misfit_reason(shapes) == "12 of its layers have other sizes in demo:qwen-image (made for another model)"
+    assert misfit_reason(unknown) == "7 of its layers are not in demo:qwen-image (made for another model)"
+    assert misfit_reason(broken) == "cannot be read as an adapter (the Adapters tab says why)"
+    page = cards_html([], 4, [wan, shapes, unknown, broken])
+    assert "4 more do not fit demo:qwen-image" in page and page.count("<li") == 4 and "<details" in page
+    assert "<b>big-qwen</b>: 12 of its layers" in page and "/srv/lib" in page.split("<li")[4]  # tooltip only
+    assert cards_html([], 4) == cards_html([], 4, [])  # no misfits: no fold
+
+
+def test_a_queued_note_names_its_jobs_and_no_other_note_does():
+    from ui.views import error_html, ok_html, queued_html, queued_ids
+
+    note = queued_html("queued jobs 7, 8 (seed 1…2) · starting", ["7", "8", "x\"><script>"])
+    assert queued_ids(note) == {"7", "8"} and "<script>" not in note
+    assert queued_ids(ok_html("queued job 9")) == set() and queued_ids(error_html("x")) == set()
+    assert queued_ids(None) == set() and queued_ids("") == set()

@@ -39,10 +39,23 @@ def open_page(browser, app):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(TIMEOUT_MS)
     page.goto(app.url)
+    loaded(page)
+    return page
+
+
+def loaded(page) -> None:
+    """Wait until the page's load has landed: the server's state shown (the fused badge is its last answer)
+    and the saved workspace put back (ui/workspace.py marks the body), so nothing the test types is
+    overwritten by a late restore."""
     page.wait_for_selector("#prompt textarea")
     if page.locator("#fused-badge").count():
         expect(page.locator("#fused-badge .ls-badge")).to_be_visible()
-    return page
+        page.wait_for_selector("body[data-workspace=restored]", state="attached")
+
+
+def reload(page) -> None:
+    page.reload()
+    loaded(page)
 
 
 @pytest.fixture
@@ -73,3 +86,15 @@ def wait_for(what, check, timeout: float = TIMEOUT_MS / 1000, every: float = 0.2
 
 def all_jobs(app):
     return app.get("v1/jobs?limit=1000")["data"]
+
+
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+def generate(page, app, timeout: float = TIMEOUT_MS / 1000) -> dict:
+    """Click Generate and wait for the job that click queued to finish; returns that job (any outcome)."""
+    before = {j["id"] for j in all_jobs(app)}
+    page.locator("#generate-btn").click()
+    return wait_for("the job Generate queued",
+                    lambda: next((j for j in all_jobs(app) if j["id"] not in before and j["status"] in FINISHED),
+                                 None), timeout=timeout)

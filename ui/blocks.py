@@ -8,7 +8,7 @@ from pathlib import Path
 import gradio as gr
 
 
-from . import adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, system, xyz
+from . import adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, system, workspace, xyz
 
 CSS = """
 .ls-bar { height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; margin-top: 4px; }
@@ -19,6 +19,7 @@ CSS = """
             border: 1px solid var(--error-border-color, #fca5a5); border-radius: 6px; padding: 6px 10px; }
 .ls-ok { color: var(--body-text-color); padding: 6px 0; }
 .ls-unfit-list { opacity: .6; font-size: .9em; }
+.ls-misfits { opacity: .75; font-size: .85em; margin-top: 8px; }
 .ls-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(320px, 1fr)); gap: 12px; }
 .ls-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 10px; }
 .ls-card h3 { margin: 0 0 4px 0; }
@@ -34,7 +35,7 @@ CSS = """
 .ls-thumb-none { aspect-ratio: 3; display: flex; align-items: center; justify-content: center; font-size: 2em;
                  color: var(--neutral-400); }
 .ls-lcard-body { padding: 8px; display: flex; flex-direction: column; gap: 4px; }
-.ls-lcard h4 { margin: 0; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+.ls-lcard h4 { margin: 0; overflow-wrap: anywhere; }
 .ls-family { font-weight: 600; font-size: .85em; }
 .ls-nums, .ls-lcard-title, .ls-about, .ls-browser-count { font-size: .8em; opacity: .8; }
 .ls-reason { font-size: .8em; color: var(--error-text-color, #b91c1c); overflow-wrap: anywhere; }
@@ -115,12 +116,13 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
         gr.Markdown("# LoRA Studio")
         api.build(studio)  # first, so the named endpoints keep their names (private events are named too)
         with gr.Tabs() as tabs:
-            with gr.Tab("Generate", id="generate", elem_id="tab-generate"):
+            with gr.Tab("Generate", id="generate", elem_id="tab-generate") as t_generate:
                 gen = generate.build(studio)
-                lora_browser.build(studio, gen)
-            with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
+                with gen.browser_slot:  # beside the prompt, as Extra Networks is
+                    lora_browser.build(studio, gen)
+            with gr.Tab("Compare", id="compare", elem_id="tab-compare") as t_compare:
                 compare.build(studio, gen)
-            with gr.Tab("X/Y/Z plot", id="xyz", elem_id="tab-xyz"):
+            with gr.Tab("X/Y/Z plot", id="xyz", elem_id="tab-xyz") as t_xyz:
                 xyz.build(studio, gen)
             with gr.Tab("Adapters", id="adapters", elem_id="tab-adapters") as t_adapters:
                 list_adapters, adapter_outs = adapters.build(studio)
@@ -153,8 +155,11 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
                     gr.update(choices=generate.preset_choices(studio), value=preset or generate.NO_PRESET),
                     generate.badge_html(preset), generate.lora_hint(studio)]
 
-        blocks.load(on_load, None, [*gen.model_outputs, gen.pick, gen.unfit, gen.preset, gen.badge, gen.hint],
-                    api_visibility="private", js=PAGE_JS)
+        loaded = blocks.load(on_load, None, [*gen.model_outputs, gen.pick, gen.unfit, gen.preset, gen.badge,
+                                             gen.hint], api_visibility="private", js=PAGE_JS)
+        workspace.wire(studio, gen, tabs, {
+            "generate": t_generate, "compare": t_compare, "xyz": t_xyz, "adapters": t_adapters,
+            "presets": t_presets, "queue": t_queue, "gallery": t_gallery, "system": t_system}, loaded)
         blocks.load(None, None, None, api_visibility="private", js=lora_browser.PAGE_JS)
     # Follow-events only poll the Studio's queue (which serializes the work), so they need no
     # Gradio-side limit; that is what lets the UI show the real queue position.

@@ -120,7 +120,7 @@ def build(studio, gen: GenerateTab, tabs: gr.Tabs):
         try:
             info = studio.png_info(path)
         except Exception as exc:
-            return None, None, error_html(f"{Path(path).name} is not a readable image ({readable(exc)})")
+            return None, None, error_html(readable(exc))
         if not info:
             return None, None, error_html(f"{Path(path).name} carries no LoRA Studio settings (nor A1111 "
                                           f"'parameters' or ComfyUI 'prompt'/'workflow' ones)")

@@ -29,7 +29,6 @@ MAX_LORAS = 6
 NO_PRESET = "(none: base weights)"
 MAX_BATCH = 16
 POLL_S = 0.5  # how often an open page asks the server about its jobs, preset, model and library
-WEIGHT_RANGE = (-4.0, 4.0)  # the sliders' range; a typed weight beyond it is still honoured
 MAX_WATCH = 32  # finished jobs a page keeps listing (the newest)
 
 
@@ -110,7 +109,7 @@ def stack_from_payload(adapters: list[dict]) -> list[dict]:
 
 
 def schedule_text(scale) -> str:
-    """A scale the sliders cannot show, as the "over steps" field's text ("" for a number or
+    """A scale the weight boxes cannot show, as the "over steps" field's text ("" for a number or
     numbers per transformer): ``1.0,0.8,0.5``, ``0.5->1.0``, else JSON."""
     import json
 
@@ -127,14 +126,14 @@ def schedule_text(scale) -> str:
 class StackRow:
     row: gr.Group
     name: gr.Textbox
-    scale: gr.Slider
+    scale: gr.Number
     split: gr.Checkbox
-    high: gr.Slider
-    low: gr.Slider
+    high: gr.Number
+    low: gr.Number
     up: gr.Button
     down: gr.Button
     remove: gr.Button
-    schedule: gr.Textbox = None  # the weight over steps / per block, as text (overrides the sliders)
+    schedule: gr.Textbox = None  # the weight over steps / per block, as text (overrides the weight boxes)
 
     def outputs(self) -> list:
         return [self.row, self.name, self.scale, self.split, self.high, self.low, self.schedule]
@@ -155,24 +154,44 @@ def render_stack(stack: list[dict], two_stage: bool) -> list:
     return updates
 
 
-def _any_weight(payload):
-    """A typed weight beyond the slider's range is honoured (the slider is for the usual range only);
-    one that is not a finite number is refused by name."""
+def stack_as_shown(stack: list[dict] | None, weights) -> list[dict]:
+    """The stack with each row's weights as its boxes show them now (``GenerateTab.weight_inputs``): the
+    stack state is written by the boxes' change events, which may not have landed at a click."""
+    texts = weights[3 * MAX_LORAS:]
+    return [{**e, "scale": weights[3 * i], "high": weights[3 * i + 1], "low": weights[3 * i + 2],
+             "schedule": texts[i] if i < len(texts) else e.get("schedule")} for i, e in enumerate(stack or [])]
+
+
+def weight_box(label: str, **kw) -> gr.Number:
+    """A LoRA weight: a number box (arrows step 0.05) that keeps what is typed, 5 or -7.5 as well as 0.8;
+    a blank box reaches ``submit`` as None and is refused there by the adapter's name. (A slider's box
+    clamps a typed 5 to its bound and turns a blank or text into 0 in the browser, before any check.)"""
+    return gr.Number(value=1.0, step=0.05, label=label, min_width=90, **kw)
+
+
+def stack_weights(stack: list[dict], two_stage: bool) -> list[dict]:
+    """Refuse (ValueError), by the adapter's name, a weight box left blank (or not a finite number) that the
+    job would read: nothing is queued and the adapter stays in the stack."""
     import math
 
-    try:
-        value = float(payload)
-    except (TypeError, ValueError):
-        raise gr.Error(f"LoRA weight: {payload!r} is not a number", print_exception=False) from None
-    if not math.isfinite(value):
-        raise gr.Error(f"LoRA weight: {payload!r} is not a finite number", print_exception=False)
-    return value
-
-
-def weight_slider(label: str, **kw) -> gr.Slider:
-    slider = gr.Slider(*WEIGHT_RANGE, value=1.0, step=0.05, label=label, **kw)
-    slider.preprocess = _any_weight  # Gradio would refuse a typed 5 with a bare HTTP 500
-    return slider
+    for e in stack:
+        if str(e.get("schedule") or "").strip():
+            continue  # the "weight over steps" text replaces the boxes
+        keys = ("high", "low") if two_stage and e.get("split") else ("scale",)
+        for key in keys:
+            value = e.get(key)
+            where = {"scale": "weight", "high": "transformer (high noise) weight",
+                     "low": "transformer_2 (low noise) weight"}[key]
+            if value is None or isinstance(value, str) and not value.strip():
+                raise ValueError(f"LoRA {e['name']}: the {where} box is empty; type a number (0 turns the "
+                                 f"adapter off, ✕ removes it)")
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = math.nan
+            if not math.isfinite(number):
+                raise ValueError(f"LoRA {e['name']}: the {where} {value!r} is not a finite number")
+    return stack
 
 
 def _widget(w: FieldWidget):
@@ -217,9 +236,14 @@ class GenerateTab:
     video: gr.Video = None
     metadata: gr.JSON = None
     pending_image: gr.State = None  # "send to image-to-video": the image waiting for the model switch
+    browser_slot: gr.Column = None  # under the prompt: where blocks.py puts the LoRA browser
 
     def row_outputs(self) -> list:
         return [c for r in self.rows for c in r.outputs()]
+
+    def weight_inputs(self) -> list:
+        """The rows' weight boxes (3 a row), then their "over steps" texts: what ``stack_as_shown`` reads."""
+        return [c for r in self.rows for c in (r.scale, r.high, r.low)] + [r.schedule for r in self.rows]
 
     def field_outputs(self) -> list:
         return [self.widgets[w.name] for w in WIDGETS]
@@ -266,8 +290,11 @@ class GenerateTab:
                 stack, *render_stack(stack, bool(m and m.two_stage)), note]
 
 
-def field_updates(m: ModelInfo | None, values: dict | None = None, *, reset: bool = True) -> list:
-    """Show the widgets the model has; fill them from ``values`` or the model's defaults."""
+def field_updates(m: ModelInfo | None, values: dict | None = None, *, reset: bool = True,
+                  locked: dict[str, str] | None = None) -> list:
+    """Show the widgets the model has; fill them from ``values`` or the model's defaults. With ``locked``
+    (field -> reason: what a fused preset fixes) those fields are read-only with the reason as their hint
+    and every other one is editable again; without it, editability is left as it is."""
     updates = []
     for w in WIDGETS:
         has = m is not None and w.name in m.fields
@@ -277,6 +304,10 @@ def field_updates(m: ModelInfo | None, values: dict | None = None, *, reset: boo
         shown = {"visible": True}
         if w.kind in ("int", "float", "text", "choice"):  # the hint as this model's pipeline reads the field
             shown["info"] = w.info_for(m.pipeline) or None
+        if locked is not None and w.kind != "image":
+            shown["interactive"] = w.name not in locked
+            if w.name in locked:
+                shown["info"] = locked[w.name]
         if values is not None and w.name in values and w.kind != "image":
             updates.append(gr.update(**shown, value=values[w.name]))
         elif reset and w.kind != "image":
@@ -325,11 +356,14 @@ def build(studio) -> GenerateTab:
             t.prompt = gr.Textbox(label="Prompt (prompt)", lines=3, elem_id="prompt",
                                   placeholder=PLACEHOLDER)
             t.hint = gr.HTML(elem_id="lora-hint")
+            t.browser_slot = gr.Column(elem_id="lora-browser-slot")  # the LoRA browser (ui/lora_browser.py)
             for w in WIDGETS:
                 if w.group in ("prompt", "inputs"):
                     t.widgets[w.name] = _widget(w)
             with gr.Row():
-                t.seed = gr.Number(label="Seed (seed)", value=42, precision=0, minimum=-1, elem_id="seed", scale=3,
+                # no minimum/maximum here: Gradio would refuse out of range with a toast before ``submit``
+                # runs; the server's rule (backend/params.py) names the field in the tab's note instead
+                t.seed = gr.Number(label="Seed (seed)", value=42, precision=0, elem_id="seed", scale=3,
                                    info="-1: a random seed (the one used is in the result's metadata)")
                 dice = gr.Button("Random seed", scale=1, elem_id="seed-random")
             with gr.Row(equal_height=True):
@@ -365,12 +399,12 @@ def build(studio) -> GenerateTab:
                             down = gr.Button("↓", min_width=36, scale=0, size="sm")
                             remove = gr.Button("✕", min_width=36, scale=0, size="sm", elem_id=f"stack-remove-{i}")
                         with gr.Row():
-                            scale = weight_slider("weight", elem_id=f"stack-scale-{i}", scale=3)
+                            scale = weight_box("weight", elem_id=f"stack-scale-{i}", scale=3)
                             split = gr.Checkbox(label="per transformer", value=False, visible=False, scale=1,
                                                 min_width=100)
-                            high = weight_slider("transformer (high noise)", visible=False, scale=2)
-                            low = weight_slider("transformer_2 (low noise)", visible=False, scale=2)
-                        sched = gr.Textbox(label="weight over steps (optional: replaces the sliders)",
+                            high = weight_box("transformer (high noise)", visible=False, scale=2)
+                            low = weight_box("transformer_2 (low noise)", visible=False, scale=2)
+                        sched = gr.Textbox(label="weight over steps (optional: replaces the weight boxes)",
                                            placeholder="1.0,0.8,0.5  or  0.5->1.0  or  {\"blocks\": {\"0-9\": 0.5}}",
                                            max_lines=1, elem_id=f"stack-schedule-{i}")
                     t.rows.append(StackRow(row, name, scale, split, high, low, up, down, remove, sched))
@@ -387,9 +421,8 @@ def build(studio) -> GenerateTab:
             t.badge = gr.HTML(elem_id="fused-badge")
             with gr.Row():
                 go = gr.Button("Generate", variant="primary", elem_id="generate-btn", scale=3)
-                t.batch = gr.Number(label="Batch count", value=1, precision=0, minimum=1, maximum=MAX_BATCH,
-                                    elem_id="batch-count", scale=1, min_width=90,
-                                    info="jobs per click, seeds +1")
+                t.batch = gr.Number(label="Batch count", value=1, precision=0, elem_id="batch-count", scale=1,
+                                    min_width=90, info=f"jobs per click (1 to {MAX_BATCH}), seeds +1")
                 stop = gr.Button("Cancel", variant="stop", elem_id="cancel-btn", scale=1)
             t.status = gr.HTML(elem_id="gen-note")
             t.jobs = gr.HTML(elem_id="gen-status")
@@ -461,13 +494,14 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
         kept = [e for e in stack if e["name"] in fits]
         dropped = [e["name"] for e in stack if e["name"] not in fits]
         note = f"{model_id} loaded"
-        if fused_before and studio.current_preset() != fused_before:
+        fused_now = studio.current_preset()
+        if fused_before and fused_now != fused_before:
             note += f"; preset {fused_before} is no longer fused (a model switch restores the base weights)"
         if dropped:
             note += f"; removed adapters that do not fit it: {', '.join(dropped)}"
         note = ok_html(note)
         yield [gr.update(choices=model_choices(studio), value=model_id), views.mode_markdown(m), note] + \
-            field_updates(m) + \
+            field_updates(m, locked=locked_reasons(fused_now, preset_contract(studio, fused_now)[1])) + \
             [gr.update(choices=choices, value=choices[0][1] if choices else None), unfit] + \
             [kept, *render_stack(kept, m.two_stage)]
 
@@ -522,7 +556,7 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                 if i < len(stack):
                     stack = [dict(e) for e in stack]
                     stack[i][key] = value
-                    if key == "scale":  # the split sliders start from the shared weight
+                    if key == "scale":  # the split boxes start from the shared weight
                         stack[i]["high"] = stack[i]["low"] = value
                 return stack
             return set_value
@@ -572,7 +606,7 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
         try:
             if not preset_id or preset_id == NO_PRESET:
                 studio.restore_base()
-                return [None, ok_html("restored the base weights")] + [gr.update()] * len(WIDGETS)
+                return [None, ok_html("restored the base weights")] + field_updates(m, None, reset=False, locked={})
             result = studio.apply_preset(preset_id)
         except Exception as exc:
             return [gr.update(), error_html(readable(exc))] + [gr.update()] * len(WIDGETS)
@@ -583,7 +617,8 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                           for f in fused.get("files") or [])
         msg = f"fused preset {preset_id}" + (f" ({files})" if files else "") + \
             (f"; sampling set to {', '.join(f'{k}={v}' for k, v in values.items())}" if values else "")
-        return [preset_id, ok_html(msg)] + field_updates(m, values, reset=False)
+        locked = locked_reasons(preset_id, preset_contract(studio, preset_id)[1])
+        return [preset_id, ok_html(msg)] + field_updates(m, values, reset=False, locked=locked)
 
     apply_btn.click(apply, [t.preset, t.model], [t.applied, t.preset_note, *t.field_outputs()],
                     api_visibility="private")
@@ -593,20 +628,18 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
 
     def submit(request: gr.Request, model_id, prompt, seed, batch, stack, watch, *values):
         values, weights = values[:len(WIDGETS)], values[len(WIDGETS):]
-        texts = weights[3 * MAX_LORAS:]  # the rows' "weight over steps" fields
-        # the weights as the sliders show them now (the browser clamps a typed 5 to the slider's 4)
-        stack = [{**e, "scale": weights[3 * i], "high": weights[3 * i + 1], "low": weights[3 * i + 2],
-                  "schedule": texts[i] if i < len(texts) else e.get("schedule")}
-                 for i, e in enumerate(stack or [])]
+        stack = stack_as_shown(stack, weights)
         m = models_by_id(studio).get(model_id)
         if m is None:
             return [error_html(f"pick a model first (got {model_id!r})"), gr.update(), gr.update()]
+        if batch is None or not 1 <= batch <= MAX_BATCH:
+            return [error_html(f"Batch count must be 1 to {MAX_BATCH}, got {'nothing' if batch is None else batch}"),
+                    gr.update(), gr.update()]
+        n = int(batch)
         try:
-            n = int(batch if batch is not None else 1)
-        except (TypeError, ValueError):
-            n = 0
-        if not 1 <= n <= MAX_BATCH:
-            return [error_html(f"Batch count must be 1 to {MAX_BATCH}, got {batch!r}"), gr.update(), gr.update()]
+            stack_weights(stack, m.two_stage)
+        except ValueError as exc:
+            return [error_html(str(exc)), gr.update(), gr.update()]
         seed = -1 if seed is None else int(seed)
         base_seed = random.randrange(2**31) if seed == -1 else seed  # -1: random, then +1 per job
         params = {"prompt": prompt}
@@ -628,8 +661,9 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
         where = (f"position {first['queue_position']} in the queue" if first.get("queue_position")
                  else "starting")
         ids = ", ".join(str(j["id"]) for j in queued)
-        note = ok_html(f"queued job{'s' if n > 1 else ''} {ids} (seed {base_seed}"
-                       f"{f'…{base_seed + n - 1}' if n > 1 else ''}) · {where}")
+        note = views.queued_html(f"queued job{'s' if n > 1 else ''} {ids} (seed {base_seed}"
+                                 f"{f'…{base_seed + n - 1}' if n > 1 else ''}) · {where}",
+                                 [str(j["id"]) for j in queued])
         # a new click starts a new list: the finished jobs of earlier clicks leave it
         known = list(dict.fromkeys([*((watch or {}).get("ids") or []), *followed.get(_session(request))]))
         keep = [j for j in known if _active(studio, j)]
@@ -637,8 +671,8 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
         followed.set(_session(request), watch["ids"])
         return [note, watch, str(queued[-1]["id"])]
 
-    sliders = [c for r in t.rows for c in (r.scale, r.high, r.low)] + [r.schedule for r in t.rows]
-    go.click(submit, [t.model, t.prompt, t.seed, t.batch, t.stack, t.watch, *t.field_outputs(), *sliders],
+    weights = t.weight_inputs()
+    go.click(submit, [t.model, t.prompt, t.seed, t.batch, t.stack, t.watch, *t.field_outputs(), *weights],
              [t.status, t.watch, t.job_id], api_visibility="private", queue=False, trigger_mode="multiple",
              show_progress="hidden")
 
@@ -660,9 +694,10 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
 
     stop.click(cancel_jobs, t.watch, t.status, api_visibility="private", queue=False)
 
-    def poll(request: gr.Request, watch, seen, model_id, stack):
+    def poll(request: gr.Request, watch, seen, model_id, stack, note):
         """The page's view of the server: its jobs, fused preset, loaded model and adapter library.
-        Each part is sent only when it changed (gr.update() otherwise)."""
+        Each part is sent only when it changed (gr.update() otherwise). A "queued ... position 1" note
+        leaves once the jobs it names have ended (their lines in the job list say how)."""
         watch, seen = dict(watch or {}), dict(seen or {})
         out = {}
         # jobs: the server's active ones (a reload, another tab) plus the ones this page queued (its state,
@@ -690,6 +725,9 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                         previews[str(j["id"])] = studio.job_preview(j["id"])
                     except Exception:  # it ended meanwhile
                         pass
+            named = views.queued_ids(note)
+            if named and all(j.get("status") in views.FINISHED for j in jobs if str(j["id"]) in named):
+                out["note"] = ""  # (a job pruned from the list has ended too)
             html = views.jobs_html(jobs, seconds_per_step=spp, previews=previews)
             if html != watch.get("html"):
                 watch["html"] = out["jobs"] = html
@@ -719,10 +757,12 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
             out["badge"] = badge_html(preset_now)
             out["preset"] = gr.update(choices=preset_choices(studio, model_now),
                                       value=preset_now or NO_PRESET)
-            defaults = preset_defaults(studio, preset_now) if preset_now else {}
-            if defaults:
-                m_fields = m_now or models_by_id(studio).get(model_now)
-                out["fields"] = field_updates(m_fields, defaults, reset=False)
+            # the preset's defaults in the fields and the ones it fixes locked (unlocked when it goes)
+            defaults, required = preset_contract(studio, preset_now)
+            m_fields = m_now or models_by_id(studio).get(model_now)
+            if m_fields is not None and (m_now is not None or preset_now != seen.get("preset")):
+                out["fields"] = field_updates(m_fields, defaults, reset=m_now is not None,
+                                              locked=locked_reasons(preset_now, required))
         seen["model"], seen["preset"] = model_now, preset_now
         # the adapter library: new imports appear, deleted adapters leave the picker and the stack
         try:
@@ -752,7 +792,7 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
 
     poll_outputs = [t.jobs, t.image, t.video, t.metadata, t.watch, t.seen, t.badge, t.preset, t.model, t.mode,
                     *t.field_outputs(), t.pick, t.unfit, t.stack, *t.row_outputs(), t.status]
-    t.timer.tick(poll, [t.watch, t.seen, t.model, t.stack], poll_outputs, api_visibility="private",
+    t.timer.tick(poll, [t.watch, t.seen, t.model, t.stack, t.status], poll_outputs, api_visibility="private",
                  queue=False, show_progress="hidden")
     # the app's page-load handler and the Gallery's "use these settings" reuse these
     t.load_models, t.model_outputs = load_models, model_outputs
@@ -798,16 +838,19 @@ def _wire_send(studio, t: GenerateTab, reuse, to_i2v) -> None:
                            "python app.py serve Wan-AI/Wan2.2-I2V-A14B-Diffusers", print_exception=False)
         return gr.update(value=target), info["path"]
 
-    def fill(path, model_id):
+    def fill(path, model_id, switched):
+        """The image into the model's input; the switch's own note (loaded, a preset unfused, adapters
+        removed) stays above this one."""
         m = models_by_id(studio).get(model_id)
         if m is None or "image" not in m.fields:
-            return gr.update(), error_html(f"{model_id} takes no input image")
-        return gr.update(value=path, visible=True), ok_html(f"sent {Path(path).name} to {model_id} as its "
-                                                            f"input image (image)")
+            return gr.update(), (switched or "") + error_html(f"{model_id} takes no input image")
+        return gr.update(value=path, visible=True), (switched or "") + ok_html(
+            f"sent {Path(path).name} to {model_id} as its input image (image)")
 
     to_i2v.click(pick, [t.watch, t.model], [t.model, t.pending_image], api_visibility="private", queue=False) \
         .success(t.switch, [t.model, t.stack], t.switch_outputs, api_visibility="private", concurrency_limit=None) \
-        .success(fill, [t.pending_image, t.model], [t.widgets["image"], t.status], api_visibility="private")
+        .success(fill, [t.pending_image, t.model, t.status], [t.widgets["image"], t.status],
+                 api_visibility="private")
 
 
 def _active(studio, job_id) -> bool:
@@ -837,11 +880,21 @@ def preset_choices(studio, model_id: str | None = None) -> list[str]:
     return [NO_PRESET] + [p["id"] for p in presets if not p.get("models") or model_id in p["models"]]
 
 
-def preset_defaults(studio, preset_id: str) -> dict:
+def preset_contract(studio, preset_id: str | None) -> tuple[dict, dict]:
+    """A preset's sampling defaults and the fields it fixes (its requirements): ({}, {}) for none."""
+    if not preset_id:
+        return {}, {}
     try:
-        return dict(next((p.get("defaults") or {} for p in studio.presets() if p.get("id") == preset_id), {}))
+        row = next((p for p in studio.presets() if p.get("id") == preset_id), {})
     except Exception:
-        return {}
+        return {}, {}
+    return dict(row.get("defaults") or {}), dict(row.get("requirements") or {})
+
+
+def locked_reasons(preset_id: str | None, requirements: dict) -> dict[str, str]:
+    """field -> why it is locked, for the fields a fused preset fixes."""
+    return {name: f"{value}: set by the fused preset {preset_id} (its distilled LoRA is trained for it; "
+                  f"restore the base weights to change it)" for name, value in requirements.items()}
 
 
 def result_updates(job: dict, m: ModelInfo) -> list:

@@ -1,7 +1,9 @@
-"""The LoRA browser (in the Generate tab, as A1111's and Forge's LoRA cards are): a card per adapter
-in the library with its preview, trigger words, base-model family, rank/alpha/size and whether it
-fits the loaded model; search, filter by family and fit, sort by name, date, size or use
-(``Studio.adapter_use_counts``: succeeded jobs that used it).
+"""The LoRA browser (in the Generate tab, a drawer right under the prompt, as A1111's Extra Networks
+is): a card per adapter in the library with its preview, trigger words, base-model family,
+rank/alpha/size; search, filter by family, sort by name, date, size or use
+(``Studio.adapter_use_counts``: succeeded jobs that used it). By default it shows the adapters that
+fit the loaded model, and folds the others into one line each with the reason in plain words
+(``views.misfit_reason``).
 
 While the panel is open it follows the library (an import, a deletion, a model switch redraw
 the cards within ``POLL_S``). Clicking a trigger word inserts it into the prompt (in the page, no server round trip); a card's
@@ -64,7 +66,8 @@ def build(studio, gen) -> None:
             query = gr.Textbox(label="Search", placeholder="name or trigger word", scale=3, elem_id="lora-search")
             family = gr.Dropdown(label="Family", choices=[views.ALL_FAMILIES], value=views.ALL_FAMILIES, scale=2,
                                  elem_id="lora-family")
-            fits = gr.Checkbox(label="fits the loaded model", value=False, scale=1, elem_id="lora-fits")
+            fits = gr.Checkbox(label="fits the loaded model", value=True, scale=1, elem_id="lora-fits",
+                               info="the others fold into one line each, with the reason")
             sort = gr.Dropdown(label="Sort", choices=list(views.BROWSER_SORTS), value="name", scale=1,
                                elem_id="lora-sort")
             refresh = gr.Button("Refresh", scale=0, min_width=80, elem_id="lora-refresh")
@@ -85,7 +88,9 @@ def build(studio, gen) -> None:
         fams = views.browser_families(all_cards)
         fam = fam if fam in fams else views.ALL_FAMILIES
         shown = views.filter_cards(all_cards, q, fam, bool(only_fit), order)
-        return gr.update(choices=fams, value=fam), views.cards_html(shown, len(all_cards)), sig
+        misfits = ([c for c in views.filter_cards(all_cards, q, fam, False, "name") if not c.get("fits")]
+                   if only_fit else None)
+        return gr.update(choices=fams, value=fam), views.cards_html(shown, len(all_cards), misfits), sig
 
     def tick(sig, q, fam, only_fit, order):
         try:

@@ -1,4 +1,5 @@
-"""The Queue tab: a live table of jobs, cancel and retry."""
+"""The Queue tab: a live table of jobs, cancel and retry. The table fits the page (nine columns with set
+widths) and is redrawn only when a row changed: an idle queue leaves it alone under the cursor."""
 from __future__ import annotations
 
 import gradio as gr
@@ -12,7 +13,9 @@ REFRESH_S = 1.0
 def build(studio):
     timer = gr.Timer(REFRESH_S, active=False)
     table = gr.Dataframe(headers=views.JOB_COLUMNS, value=[], interactive=False, wrap=True,
-                         elem_id="queue-table", label="Jobs (newest first; refreshes itself)")
+                         column_widths=views.JOB_COLUMN_WIDTHS, elem_id="queue-table",
+                         label="Jobs (newest first; refreshes itself)")
+    shown = gr.State(None)  # the rows the table holds now
     with gr.Row():
         job_id = gr.Textbox(label="Job id", elem_id="queue-job", scale=2)
         cancel = gr.Button("Cancel", variant="stop", elem_id="queue-cancel", scale=1)
@@ -25,7 +28,13 @@ def build(studio):
         except Exception as exc:
             return gr.update(label=f"Jobs (could not list: {readable(exc)})")
 
-    timer.tick(rows, None, table, api_visibility="private", queue=False, show_progress="hidden")
+    def tick(before):
+        now = rows()
+        if now == before:
+            return gr.update(), before
+        return now, now if isinstance(now, list) else None
+
+    timer.tick(tick, shown, [table, shown], api_visibility="private", queue=False, show_progress="hidden")
 
     def pick(evt: gr.SelectData):
         row = evt.row_value if evt is not None else None

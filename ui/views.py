@@ -9,6 +9,7 @@ import base64
 import html
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 
 from backend.errors import StudioError
@@ -34,6 +35,21 @@ def error_html(message: str) -> str:
 
 def ok_html(message: str) -> str:
     return f'<div class="ls-ok" role="status">{html.escape(message)}</div>'
+
+
+_QUEUED = re.compile(r'^<div class="ls-ok ls-queued" role="status" data-jobs="([0-9a-zA-Z,]*)">')
+
+
+def queued_html(message: str, job_ids: list[str]) -> str:
+    """A "queued ..." note that names its jobs, so the page can take it away once they have ended."""
+    ids = ",".join(j for j in job_ids if j.isalnum())
+    return f'<div class="ls-ok ls-queued" role="status" data-jobs="{ids}">{html.escape(message)}</div>'
+
+
+def queued_ids(note) -> set[str]:
+    """The jobs a ``queued_html`` note names (empty for any other note)."""
+    found = _QUEUED.match(note) if isinstance(note, str) else None
+    return set(filter(None, found.group(1).split(","))) if found else set()
 
 
 # -- models -----------------------------------------------------------------------------------
@@ -211,8 +227,10 @@ def jobs_html(jobs: list[dict], now: float | None = None, seconds_per_step: floa
                       for j in jobs) + "</div>")
 
 
-JOB_COLUMNS = ["id", "kind", "status", "progress", "queue", "prompt", "model", "adapters", "preset", "created",
-               "took", "error"]
+# nine columns that fit a laptop's width: the kind joins the status when it is not a generation, the queue
+# position too ("queued · 2"), the preset the model ("demo:qwen-image + lightning-4step")
+JOB_COLUMNS = ["id", "status", "progress", "prompt", "model", "adapters", "created", "took", "error"]
+JOB_COLUMN_WIDTHS = ["11%", "10%", "6%", "22%", "14%", "11%", "7%", "5%", "14%"]  # of the page's width
 
 
 def _clock(ts) -> str:
@@ -250,10 +268,16 @@ def job_rows(jobs: list[dict]) -> list[list]:
     rows = []
     for j in jobs:
         prog = j.get("progress") or {}
-        rows.append([j.get("id"), j.get("kind"), j.get("status"),
-                     f"{prog.get('step') or 0}/{prog.get('total') or '?'}", j.get("queue_position") or "",
-                     _short(str((j.get("params") or {}).get("prompt") or ""), 60), j.get("model") or "", adapters_label(j.get("adapters")), j.get("preset") or "",
-                     _clock(j.get("created_at")), _took(j), (j.get("error") or "")[:120]])
+        status = str(j.get("status") or "")
+        if j.get("kind") not in (None, "generate"):
+            status = f"{j['kind']}: {status}"
+        if j.get("queue_position"):
+            status += f" · {j['queue_position']}"
+        model = str(j.get("model") or "") + (f" + {j['preset']}" if j.get("preset") else "")
+        rows.append([j.get("id"), status, f"{prog.get('step') or 0}/{prog.get('total') or '?'}",
+                     _short(str((j.get("params") or {}).get("prompt") or ""), 60), model,
+                     adapters_label(j.get("adapters")), _clock(j.get("created_at")), _took(j),
+                     (j.get("error") or "")[:120]])
     return rows
 
 
@@ -418,7 +442,7 @@ def card_html(c: dict) -> str:
     a fitting card's body adds it too), and the reason when it cannot be used.
     Everything from the file is escaped; the thumbnail is a data URL the backend checked or wrote."""
     name = c["name"]
-    shown = _short(name, 60)
+    shown = _short(name, 128)  # wrapped on the card (CSS), never cut short of a real name
     if c.get("thumbnail"):
         preview = (f'<img class="ls-thumb" src="{_attr(c["thumbnail"])}" alt="preview of {_attr(shown)}" '
                    f'data-source="{_attr(c.get("thumbnail_source") or "file")}">')
@@ -466,9 +490,42 @@ def card_html(c: dict) -> str:
             + f'{action}</div></div>')
 
 
-def cards_html(cards: list[dict], total: int | None = None) -> str:
+_UNMATCHED = re.compile(r"(\d+) unmatched key")
+_MISMATCHED = re.compile(r"(\d+) shape mismatch")
+
+
+def misfit_reason(c: dict) -> str:
+    """Why a card does not fit the loaded model, in one plain line (the converter's own words, with its
+    key names, stay in the card's tooltip and the Adapters tab)."""
+    model = c.get("model") or "the loaded model"
+    if not c.get("usable"):
+        return "cannot be read as an adapter (the Adapters tab says why)"
+    fam = c.get("family")
+    fit = str(c.get("fit") or "")
+    if fam and fam != c.get("model_family"):
+        return f"made for {fam}, not {model}" + (" (by its name)" if c.get("family_source") == "name" else "")
+    mismatched, unmatched = _MISMATCHED.search(fit), _UNMATCHED.search(fit)
+    if mismatched:
+        return f"{mismatched.group(1)} of its layers have other sizes in {model} (made for another model)"
+    if unmatched:
+        return f"{unmatched.group(1)} of its layers are not in {model} (made for another model)"
+    if "binds to no layer" in fit:
+        return f"binds to no layer of {model}"
+    return f"could not be checked against {model} (the Adapters tab says why)"
+
+
+def cards_html(cards: list[dict], total: int | None = None, misfits: list[dict] | None = None) -> str:
+    """The cards; with ``misfits`` (the browser's default "fits the loaded model" view) the matching
+    adapters that do not fit follow, collapsed, one line each with the reason."""
     total = len(cards) if total is None else total
+    folded = ""
+    if misfits:
+        model = misfits[0].get("model") or "the loaded model"
+        items = "".join(f'<li title="{_attr(c.get("error") or c.get("fit") or "")}"><b>{html.escape(c["name"])}'
+                        f'</b>: {html.escape(misfit_reason(c))}</li>' for c in misfits)
+        folded = (f'<details class="ls-misfits"><summary>{len(misfits)} more do not fit {html.escape(model)}'
+                  f'</summary><ul>{items}</ul></details>')
     if not cards:
-        return ok_html(f"no adapter matches ({total} in the library)")
+        return ok_html(f"no adapter matches ({total} in the library)") + folded
     head = f'<div class="ls-browser-count">{len(cards)} of {total} adapter(s)</div>'
-    return head + '<div class="ls-lcards">' + "".join(card_html(c) for c in cards) + "</div>"
+    return head + '<div class="ls-lcards">' + "".join(card_html(c) for c in cards) + "</div>" + folded
