@@ -147,6 +147,42 @@ def settings_line(line: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def _setting(value) -> str:
+    """A settings-line value: quoted (A1111's way) when it holds a comma, a colon or a quote."""
+    text = " ".join(str(value).split())
+    return '"' + text.replace('"', "'") + '"' if any(c in text for c in ',:"') else text
+
+
+def infotext(meta: dict) -> str:
+    """A result's settings as A1111's infotext, the line its PNG Info tab, Civitai and ``parse_a1111`` read:
+    the prompt with a ``<lora:NAME:WEIGHT>`` tag per adapter of one weight, ``Negative prompt: ...``, then
+    ``Steps, CFG scale, Seed, Size, Model`` (and the fused preset). CFG is the guidance the pipeline used
+    (Qwen-Image's true CFG). A weight per transformer or over steps has no A1111 tag: the JSON metadata
+    keeps it, and the line says which adapters it left out."""
+    params = meta.get("params") or {}
+    tags, other = [], []
+    for a in meta.get("adapters") or []:
+        scale = a.get("scale", 1.0)
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            tags.append(f"<lora:{a.get('name')}:{scale:g}>")
+        else:
+            other.append(str(a.get("name")))
+    prompt = " ".join([str(params.get("prompt") or "").strip(), *tags]).strip()
+    lines = [prompt]
+    negative = " ".join(str(params.get("negative_prompt") or "").split())
+    if negative:  # (Qwen-Image's default is one blank)
+        lines.append(f"Negative prompt: {negative}")
+    cfg = params.get("true_cfg_scale", params.get("guidance_scale"))
+    settings = [("Steps", params.get("num_inference_steps")), ("CFG scale", cfg),
+                ("Seed", params.get("seed", meta.get("seed"))),
+                ("Size", f"{params['width']}x{params['height']}" if params.get("width") and params.get("height")
+                 else None),
+                ("Model", meta.get("model")), ("Distill preset", meta.get("preset")),
+                ("LoRA weights not shown as tags", ", ".join(other) or None)]
+    lines.append(", ".join(f"{k}: {_setting(v)}" for k, v in settings if v not in (None, "")))
+    return "\n".join(lines)
+
+
 def parse_a1111(text: str) -> dict | None:
     """AUTOMATIC1111 / Forge infotext: the prompt, ``Negative prompt: ...``, then the settings line."""
     lines = text.strip().split("\n")

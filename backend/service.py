@@ -27,6 +27,7 @@ from .jobs.supervisor import Supervisor
 from .limits import Limits, check_request, check_text
 from .limits import MAX_PLOT_PIXELS, MAX_PLOT_SIDE, check_plot_cells, check_plot_size  # noqa: F401 (the UI's plot budget)
 from .lora.schedule import parse_text as parse_scale_text  # noqa: F401 - the UI's scale fields (torch-free)
+from .pnginfo import infotext  # noqa: F401 - the UI's result line (torch-free)
 
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 log = logging.getLogger("lora_studio.service")

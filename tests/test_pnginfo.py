@@ -210,3 +210,21 @@ def test_png_info_reads_the_text_without_decoding_the_pixels(tmp_path):
     assert sources == [None, "a1111"]
     assert peak_kib < 150 * 1024, f"peak {peak_kib // 1024} MiB: the pixels were decoded"
     assert took < 1.0, f"{took:.2f} s for two reads"
+
+
+def test_a_results_infotext_reads_back_as_the_same_settings():
+    """#26: the result's copyable infotext is A1111's, so its PNG Info, Civitai and our Gallery read it back."""
+    from backend.pnginfo import infotext
+
+    meta = {"model": "demo:qwen-image", "preset": "qwen-image-2512-lightning-4step", "adapters": [
+        {"name": "ink", "scale": 0.5}, {"name": "two", "scale": {"transformer": 1.0, "transformer_2": 0.5}}],
+        "params": {"prompt": "a cat, sitting", "negative_prompt": "blurry,\n dark", "seed": 5,
+                   "num_inference_steps": 4, "true_cfg_scale": 1.0, "width": 64, "height": 48}}
+    text = infotext(meta)
+    assert text.splitlines()[0] == "a cat, sitting <lora:ink:0.5>"
+    got = parse_a1111(text)
+    assert got["params"] == {"prompt": "a cat, sitting", "negative_prompt": "blurry, dark", "seed": 5,
+                             "num_inference_steps": 4, "guidance_scale": 1.0, "width": 64, "height": 48}
+    assert got["adapters"] == [{"name": "ink", "scale": 0.5}]
+    assert got["extra"] == {"Model": "demo:qwen-image", "Distill preset": "qwen-image-2512-lightning-4step",
+                            "LoRA weights not shown as tags": "two"}

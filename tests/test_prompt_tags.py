@@ -31,3 +31,14 @@ def test_an_adapter_named_twice_is_refused():
         prompt_tags.merge([{"name": "ink", "scale": 1.0}], [{"name": "ink", "scale": 0.5}])
     assert prompt_tags.merge([{"name": "a", "scale": 1}], [{"name": "b", "scale": 2}]) == \
         [{"name": "a", "scale": 1}, {"name": "b", "scale": 2}]
+
+
+def test_a_tag_between_two_commas_leaves_one():
+    """#26: PNG info left ",," where a tag stood ("a cat, <lora:ink:0.5>, sitting" -> "a cat,, sitting")."""
+    from backend.lora import prompt_tags
+    from backend.pnginfo import parse_a1111
+
+    assert prompt_tags.split("a cat, <lora:ink:0.5>, sitting, <lora:b:1>")[0] == "a cat, sitting"
+    got = parse_a1111("a cat, <lora:ink:0.5>, sitting\nSteps: 3, Seed: 1, Size: 64x64")
+    assert got["params"]["prompt"] == "a cat, sitting"
+    assert prompt_tags.tidy("a , , , b") == "a, b" and prompt_tags.tidy(", x ,") == "x"

@@ -16,8 +16,8 @@ from PIL import Image
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
-from ui_browser import (all_jobs, browser, expect, fill, generate, needs_chromium, open_page, page,  # noqa: F401
-                        reload, shot, wait_for)
+from ui_browser import (add_to_stack, all_jobs, browser, expect, fill, generate, needs_chromium,  # noqa: F401
+                        open_page, page, reload, shot, wait_for)
 
 PRESET = "qwen-image-2512-lightning-4step"
 
@@ -125,9 +125,19 @@ def test_each_click_queues_a_job_and_batches_count_seeds(page, app):  # noqa: F8
             [j for j in all_jobs(app) if j["id"] not in before and j["id"] not in {n["id"] for n in new}]), timeout=30)
         assert sorted(j["params"]["seed"] for j in batch) == [100, 101]
         wait_for("five jobs on the page", lambda: len(jobs_shown(page)) == 5)
+        # #26 "no per-job cancel": a queued job's ✕ cancels that one job, the others stay in the queue
+        last = max(batch, key=lambda j: j["params"]["seed"])
+        page.locator(f'#gen-status .ls-job[data-job="{last["id"]}"] .ls-job-cancel').click()
+        expect(page.locator("#gen-note")).to_contain_text(f"cancelled job {last['id']}")
+        expect(page.locator(f'#gen-status .ls-job[data-job="{last["id"]}"]')).to_have_attribute(
+            "data-status", "cancelled")
+        assert [job(app, j["id"])["status"] for j in new + batch if j["id"] != last["id"]].count("cancelled") == 0
         page.locator("#cancel-btn").click()  # cancels every job this page follows
         wait_for("all cancelled", lambda: all(job(app, j["id"])["status"] in ("cancelled", "succeeded")
                                               for j in new + batch), timeout=60)
+    # #26: finished jobs fold under "4 earlier jobs" but the last to end (they pushed the result off-screen)
+    expect(page.locator("#gen-status details.ls-finished summary")).to_contain_text("4 earlier jobs")
+    expect(page.locator("#gen-status .ls-jobs > .ls-job")).to_have_count(1)
     fill(page, "batch-count", 1)
 
 
@@ -214,9 +224,7 @@ def test_pin_is_reported_at_once(page, app, lora_files):  # noqa: F811
 def test_typed_weights_are_applied_as_typed(page, app, typed):  # noqa: F811
     """#26: "a weight typed as 5 runs as 4.0" (the slider's box clamped it in the browser): any finite
     weight typed runs as typed."""
-    page.locator("#adapter-pick input").click()
-    page.get_by_role("option", name="pin-me").first.click()
-    page.locator("#adapter-add").click()
+    add_to_stack(page, "pin-me")
     fill(page, "stack-scale-0", typed)
     box, want = page.locator("#stack-scale-0 input[type=number]"), float(typed)
     wait_for(f"the weight box to show {want}", lambda: float(box.input_value() or "nan") == want, timeout=30)
@@ -241,10 +249,7 @@ def test_a_field_the_job_cannot_run_with_names_itself_at_the_click(page, app, lo
     before = {j["id"] for j in all_jobs(app)}
     fill(page, "prompt", "refused by name")
     fill(page, "field-num_inference_steps", 2)
-    page.locator("#adapter-pick input").click()
-    page.get_by_role("option", name="pin-me").first.click()
-    page.locator("#adapter-add").click()
-    expect(page.locator("#stack-name-0 input, #stack-name-0 textarea").first).to_have_value("pin-me")
+    add_to_stack(page, "pin-me")
     cases = [("seed", -5, "'seed' must be an integer in [0, 2^63), or -1"),
              ("batch-count", 0, "Batch count must be 1 to 16, got 0"),
              ("batch-count", 500, "Batch count must be 1 to 16, got 500"),
@@ -282,9 +287,7 @@ def test_the_workspace_survives_a_reload(page, app, lora_files):  # noqa: F811
     fill(page, "seed", 1234)
     fill(page, "field-num_inference_steps", 3)
     fill(page, "field-height", 80)
-    page.locator("#adapter-pick input").click()
-    page.get_by_role("option", name="pin-me").first.click()
-    page.locator("#adapter-add").click()
+    add_to_stack(page, "pin-me")
     fill(page, "stack-scale-0", "0.7")
     page.get_by_role("tab", name="Gallery").click()
     expect(page.locator("#tab-gallery")).to_be_visible()
@@ -331,6 +334,11 @@ def test_seed_minus_one_is_random_and_shown(page, app):  # noqa: F811
     assert done["status"] == "succeeded" and seed >= 0
     expect(page.locator("#gen-status")).to_contain_text(f"seed {seed}")
     assert page.locator(".toast-body, .toast-wrap .error").count() == 0
+    # #26: a copyable A1111 infotext line under the result (there was only the raw JSON)
+    info = page.locator("#result-infotext textarea")
+    expect(info).to_have_value(re.compile(rf"^a random seed\nSteps: 2, CFG scale: [0-9.]+, Seed: {seed}, Size: "))
+    expect(page.locator("#result-infotext button[aria-label*='opy'], #result-infotext button[title*='opy']")
+           .first).to_be_visible()
     # #26: the "queued job N · position 1" note left with the job (it stayed after the job ended)
     expect(page.locator("#gen-note")).not_to_contain_text("queued job")
 
@@ -379,9 +387,7 @@ def test_lora_tag_in_the_prompt_equals_the_stack(page, app):  # noqa: F811
 
     fill(page, "seed", 5)
     fill(page, "field-num_inference_steps", 2)
-    page.locator("#adapter-pick input").click()
-    page.get_by_role("option", name="pin-me").first.click()
-    page.locator("#adapter-add").click()
+    add_to_stack(page, "pin-me")
     fill(page, "stack-scale-0", "0.5")
     stacked = generate_and_wait("a tagged cat")
     page.locator("#stack-remove-0").click()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ui_browser import TIMEOUT_MS, browser, expect, fill, needs_chromium, open_page  # noqa: F401  (fixtures)
+from ui_browser import (TIMEOUT_MS, add_to_stack, browser, expect, fill, needs_chromium,  # noqa: F401  (fixtures)
+                        open_page)
 from ui_fixtures import app, lora_files, wait_until  # noqa: F401  (fixtures)
 
 pytestmark = needs_chromium
@@ -21,9 +22,7 @@ def page(browser, app, lora_files):  # noqa: F811
 
 def test_a_typed_schedule_reaches_the_job_and_a_bad_one_is_refused(page, app):  # noqa: F811
     jobs = lambda: app.get("v1/jobs?limit=1000")["data"]  # noqa: E731
-    page.locator("#adapter-pick input").click()
-    page.get_by_role("option", name="sched-me").first.click()
-    page.locator("#adapter-add").click()
+    add_to_stack(page, "sched-me")
     fill(page, "field-num_inference_steps", 2)
     fill(page, "stack-schedule-0", "1.0,x")
     fill(page, "prompt", "a scheduled cat")

@@ -315,3 +315,27 @@ def test_a_queued_note_names_its_jobs_and_no_other_note_does():
     assert queued_ids(note) == {"7", "8"} and "<script>" not in note
     assert queued_ids(ok_html("queued job 9")) == set() and queued_ids(error_html("x")) == set()
     assert queued_ids(None) == set() and queued_ids("") == set()
+
+
+def test_only_a_queued_or_running_job_has_its_own_cancel():
+    from ui.views import progress_html
+
+    for status, has in (("queued", True), ("running", True), ("succeeded", False), ("failed", False)):
+        line = progress_html({"id": "a1b2", "status": status, "progress": {"step": 1, "total": 4}})
+        assert ('class="ls-job-cancel" data-job="a1b2"' in line) is has, (status, line)
+
+
+def test_earlier_finished_jobs_fold_under_the_active_ones_and_the_last_result():
+    """#26: six jobs pushed the result off-screen and old failures stayed: the queued and running jobs and
+    the one that finished last stay in full, the others fold into "N earlier jobs (k failed)"."""
+    from ui.views import jobs_html
+
+    jobs = [{"id": f"j{i}", "status": s, "finished_at": t, "progress": {"step": 1, "total": 2}}
+            for i, (s, t) in enumerate([("failed", 1), ("succeeded", 2), ("succeeded", 3), ("running", None),
+                                        ("queued", None)])]
+    page = jobs_html(jobs)
+    shown, folded = page.split("<details", 1)
+    assert [f'data-job="j{i}"' in shown for i in range(5)] == [False, False, True, True, True]
+    assert "2 earlier jobs (1 failed)</summary>" in folded and 'data-job="j0"' in folded
+    assert 'data-count="5"' in page
+    assert "<details" not in jobs_html(jobs[2:])  # one finished job: nothing to fold

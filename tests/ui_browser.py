@@ -98,3 +98,16 @@ def generate(page, app, timeout: float = TIMEOUT_MS / 1000) -> dict:
     return wait_for("the job Generate queued",
                     lambda: next((j for j in all_jobs(app) if j["id"] not in before and j["status"] in FINISHED),
                                  None), timeout=timeout)
+
+
+def choose(page, elem_id: str, option: str) -> None:
+    """Pick ``option`` in a Gradio dropdown."""
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=option, exact=True).first.click()
+
+
+def add_to_stack(page, name: str) -> None:
+    """Put a library adapter into the (empty) LoRA stack through the picker and *Add to stack*."""
+    choose(page, "adapter-pick", name)
+    page.locator("#adapter-add").click()
+    expect(page.locator("#stack-name-0 textarea, #stack-name-0 input").first).to_have_value(name)

@@ -47,6 +47,8 @@ CSS = """
 .ls-lcard:not(.ls-lcard-off) { cursor: pointer; }
 .ls-preview { border: 1px solid var(--border-color-primary); border-radius: 6px; padding: 2px 8px; cursor: pointer; }
 .ls-uses, .ls-preview-pending { font-size: .8em; opacity: .8; }
+.ls-job-cancel { border: 1px solid var(--border-color-primary); border-radius: 6px; padding: 0 6px; cursor: pointer;
+                 margin-left: 6px; font-size: .8em; }
 .ls-badge { background: var(--color-accent); color: white; border-radius: 4px; padding: 0 6px; font-size: .8em; }
 """
 
@@ -66,7 +68,14 @@ PAGE_JS = """
     if (!("Notification" in window) || Notification.permission !== "granted") return;
     try { new Notification("LoRA Studio", {body, tag: `ls-job-${id}`}); } catch (err) { /* not allowed here */ }
   };
+  // the folded "N earlier jobs" stays open (or shut) as the user left it when the list is redrawn
+  let foldOpen = false;
+  document.addEventListener("toggle", (e) => {
+    if (e.target.matches && e.target.matches("#gen-status details.ls-finished")) foldOpen = e.target.open;
+  }, true);
   const sync = () => {
+    const fold = document.querySelector("#gen-status details.ls-finished");
+    if (fold && fold.open !== foldOpen) fold.open = foldOpen;
     const jobs = document.querySelector("#gen-status .ls-jobs");
     for (const el of document.querySelectorAll("#gen-status .ls-job[data-job]")) {
       const id = el.dataset.job, status = el.dataset.status, before = seen.get(id);
@@ -81,6 +90,14 @@ PAGE_JS = """
   };
   new MutationObserver(sync).observe(document.body, {subtree: true, childList: true, attributes: true,
                                                      attributeFilter: ["data-title", "data-status"]});
+  // a job line's ✕: its id (with a nonce, so asking again is a change) to the hidden box the server reads
+  document.addEventListener("click", (e) => {
+    const btn = e.target.closest && e.target.closest("#gen-status .ls-job-cancel");
+    const box = document.querySelector("#gen-cancel-one textarea, #gen-cancel-one input");
+    if (!btn || !box) return;
+    box.value = `${btn.dataset.job}\n${Date.now()}`;
+    box.dispatchEvent(new Event("input", {bubbles: true}));
+  });
   // the browser asks once, on the first Generate click (a permission prompt needs a user gesture)
   document.addEventListener("click", (e) => {
     if (e.target.closest && e.target.closest("#generate-btn") && "Notification" in window

@@ -235,6 +235,7 @@ class GenerateTab:
     image: gr.Image = None
     video: gr.Video = None
     metadata: gr.JSON = None
+    infotext: gr.Textbox = None  # the shown result's settings as one A1111 infotext (pnginfo.infotext)
     pending_image: gr.State = None  # "send to image-to-video": the image waiting for the model switch
     browser_slot: gr.Column = None  # under the prompt: where blocks.py puts the LoRA browser
 
@@ -279,6 +280,11 @@ class GenerateTab:
             skipped = [k for k in read if k not in ("prompt", "seed") and k not in fields]
             if skipped:
                 note += f" ({', '.join(skipped)} not used by {model_id})"
+            extra = settings.get("extra") if isinstance(settings.get("extra"), dict) else {}
+            if extra:  # what the other tool set that has no field here (its sampler, clip skip, hires...)
+                shown = [f"{k} ({views.short(str(v), 40)})" for k, v in list(extra.items())[:12]]
+                note += f"; ignored, no such setting here: {', '.join(shown)}" + \
+                    (f" and {len(extra) - 12} more" if len(extra) > 12 else "")
         if missing:
             note += f"; not in the library (or not fitting {model_id}), left out: {', '.join(missing)}"
         note = ok_html(note)
@@ -430,9 +436,13 @@ def build(studio) -> GenerateTab:
             t.seen = gr.State({})
             t.timer = gr.Timer(POLL_S)
             t.job_id = gr.Textbox(visible="hidden", elem_id="gen-job-id")
+            cancel_one = gr.Textbox(visible="hidden", elem_id="gen-cancel-one")  # a job line's ✕ (blocks.PAGE_JS)
             t.image = gr.Image(label="Result", type="filepath", interactive=False, elem_id="result-image",
                                format="png")
             t.video = gr.Video(label="Result", interactive=False, visible=False, elem_id="result-video")
+            t.infotext = gr.Textbox(label="Infotext (A1111: paste into its PNG Info, Civitai or our Gallery)",
+                                    interactive=False, lines=2, max_lines=6, buttons=["copy"],
+                                    elem_id="result-infotext")
             t.metadata = gr.JSON(label="Metadata", elem_id="result-metadata")
             with gr.Row():
                 reuse = gr.Button("Reuse seed", size="sm", elem_id="send-seed")
@@ -440,6 +450,7 @@ def build(studio) -> GenerateTab:
             t.pending_image = gr.State(None)
 
     _wire(studio, t, refresh, dice, add, apply_btn, go, stop)
+    _wire_cancel_one(studio, t, cancel_one)
     _wire_send(studio, t, reuse, to_i2v)
     return t
 
@@ -785,18 +796,36 @@ def _wire(studio, t: GenerateTab, refresh, dice, add, apply_btn, go, stop) -> No
                 out["stack"] = [kept, *render_stack(kept, two_stage_of(model_id))]
                 out["note"] = error_html(f"removed from the stack (no longer in the library): {', '.join(gone)}")
         keep = gr.update()
-        return ([out.get("jobs", keep), *out.get("result", [keep] * 3), watch, seen, out.get("badge", keep),
+        return ([out.get("jobs", keep), *out.get("result", [keep] * 4), watch, seen, out.get("badge", keep),
                  out.get("preset", keep), *out.get("model", [keep, keep]),
                  *out.get("fields", [keep] * len(WIDGETS)), *out.get("library", [keep, keep]),
                  *out.get("stack", [keep] * (1 + len(t.row_outputs()))), out.get("note", keep)])
 
-    poll_outputs = [t.jobs, t.image, t.video, t.metadata, t.watch, t.seen, t.badge, t.preset, t.model, t.mode,
+    poll_outputs = [t.jobs, t.image, t.video, t.metadata, t.infotext, t.watch, t.seen, t.badge, t.preset, t.model, t.mode,
                     *t.field_outputs(), t.pick, t.unfit, t.stack, *t.row_outputs(), t.status]
     t.timer.tick(poll, [t.watch, t.seen, t.model, t.stack, t.status], poll_outputs, api_visibility="private",
                  queue=False, show_progress="hidden")
     # the app's page-load handler and the Gallery's "use these settings" reuse these
     t.load_models, t.model_outputs = load_models, model_outputs
     t.switch, t.switch_outputs = switch, switch_outputs
+
+
+def _wire_cancel_one(studio, t: GenerateTab, box) -> None:
+    """A job line's ✕ cancels that job only (the Cancel button cancels every job the page follows)."""
+    def cancel_one(value):
+        job_id = str(value or "").split("\n", 1)[0].strip()
+        if not job_id:
+            return gr.update()
+        try:
+            job = studio.cancel(job_id)
+        except Exception as exc:  # finished meanwhile, or not a job
+            return error_html(readable(exc))
+        if job.get("status") == "running":
+            return ok_html(f"cancelling job {job_id}: it stops at its next step")
+        return ok_html(f"cancelled job {job_id}" if job.get("status") == "cancelled"
+                       else f"job {job_id} has already {job.get('status')}")
+
+    box.change(cancel_one, box, t.status, api_visibility="private", queue=False)
 
 
 def i2v_model(models: dict[str, ModelInfo], current: str | None) -> str | None:
@@ -898,11 +927,14 @@ def locked_reasons(preset_id: str | None, requirements: dict) -> dict[str, str]:
 
 
 def result_updates(job: dict, m: ModelInfo) -> list:
-    """[image, video, metadata] updates for a finished job."""
+    """[image, video, metadata, infotext] updates for a finished job."""
+    from backend.service import infotext
+
     result = job.get("result") or {}
     path, meta = result.get("path"), result.get("metadata")
     if job.get("status") != "succeeded" or not path:
-        return [gr.update(), gr.update(), meta or gr.update()]
+        return [gr.update(), gr.update(), meta or gr.update(), gr.update()]
     video = str(path).endswith(".mp4")
     return [gr.update(value=None if video else path, visible=not video),
-            gr.update(value=path if video else None, visible=video), meta]
+            gr.update(value=path if video else None, visible=video), meta,
+            infotext(meta) if isinstance(meta, dict) else ""]

@@ -197,11 +197,14 @@ def progress_html(job: dict, now: float | None = None, seconds_per_step: float |
     seed = (job.get("params") or {}).get("seed")
     meta_seed = ((job.get("result") or {}).get("metadata") or {}).get("seed")
     seed_text = f" · seed {meta_seed if meta_seed is not None else seed}" if seed is not None else ""
+    job_id = html.escape(str(job.get("id", "")), quote=True)
+    cancel = (f' <button type="button" class="ls-job-cancel" data-job="{job_id}" title="cancel this job">✕'
+              f'</button>' if status in ("queued", "running") else "")
     return (f'<div class="ls-job {cls}" data-job="{html.escape(str(job.get("id", "")))}" data-status="{status}" '
             f'data-step="{prog.get("step") or 0}" data-total="{prog.get("total") or 0}" '
             f'data-position="{job.get("queue_position") or ""}">'
             f'<div class="ls-job-line">Job {html.escape(str(job.get("id", "")))}{html.escape(seed_text)} · '
-            f'{html.escape(line)}</div>'
+            f'{html.escape(line)}{cancel}</div>'
             f'<div class="ls-bar"><div class="ls-bar-fill" style="width:{pct}%"></div></div>'
             f'{preview_img(preview) if status == "running" else ""}</div>')
 
@@ -222,9 +225,18 @@ def jobs_html(jobs: list[dict], now: float | None = None, seconds_per_step: floa
             title += f" +{len(queued)}"
     elif queued:
         title = f"[queued {len(queued)}]"
-    return (f'<div class="ls-jobs" data-count="{len(jobs)}" data-title="{html.escape(title)}">'
-            + "".join(progress_html(j, now, seconds_per_step, (previews or {}).get(str(j.get("id"))))
-                      for j in jobs) + "</div>")
+    # the queued and running jobs, and the one that finished last, in full; older finished ones folded
+    ended = [j for j in jobs if j.get("status") in FINISHED]
+    newest = max(ended, key=lambda j: j.get("finished_at") or 0, default=None)
+    older = [j for j in ended if j is not newest]
+    line = lambda j: progress_html(j, now, seconds_per_step, (previews or {}).get(str(j.get("id"))))  # noqa: E731
+    shown = "".join(line(j) for j in jobs if j not in older)
+    if older:
+        failed = sum(j.get("status") == "failed" for j in older)
+        shown += (f'<details class="ls-finished"><summary>{len(older)} earlier job{"s" if len(older) > 1 else ""}'
+                  f'{f" ({failed} failed)" if failed else ""}</summary>' + "".join(line(j) for j in older)
+                  + "</details>")
+    return f'<div class="ls-jobs" data-count="{len(jobs)}" data-title="{html.escape(title)}">{shown}</div>'
 
 
 # nine columns that fit a laptop's width: the kind joins the status when it is not a generation, the queue
@@ -275,7 +287,7 @@ def job_rows(jobs: list[dict]) -> list[list]:
             status += f" · {j['queue_position']}"
         model = str(j.get("model") or "") + (f" + {j['preset']}" if j.get("preset") else "")
         rows.append([j.get("id"), status, f"{prog.get('step') or 0}/{prog.get('total') or '?'}",
-                     _short(str((j.get("params") or {}).get("prompt") or ""), 60), model,
+                     short(str((j.get("params") or {}).get("prompt") or ""), 60), model,
                      adapters_label(j.get("adapters")), _clock(j.get("created_at")), _took(j),
                      (j.get("error") or "")[:120]])
     return rows
@@ -325,14 +337,14 @@ def adapter_rows(adapters: list[dict], where: dict[str, str] | None = None) -> l
         ok, reason = fit_of(a)
         size = a.get("size") if isinstance(a.get("size"), str) else human_bytes(a.get("size_bytes"))
         rows.append([a.get("name"), a.get("format") or "", a.get("rank") or "", a.get("alpha") or "", targets,
-                     size, (a.get("sha256") or "")[:12], ("✓ " if ok else "✗ ") + _short(reason),
+                     size, (a.get("sha256") or "")[:12], ("✓ " if ok else "✗ ") + short(reason),
                      a.get("tier") or (where or {}).get(a.get("name"), "disk"),
                      "pinned" if a.get("pinned") else ""])
     return rows
 
 
-def _short(text: str, limit: int = 90) -> str:
-    """One table cell's worth; the detail view has the whole fit report."""
+def short(text: str, limit: int = 90) -> str:
+    """A cell's or a note's worth of ``text`` (cut with an ellipsis)."""
     return text if len(text) <= limit else text[:limit] + "…"
 
 
@@ -442,7 +454,7 @@ def card_html(c: dict) -> str:
     a fitting card's body adds it too), and the reason when it cannot be used.
     Everything from the file is escaped; the thumbnail is a data URL the backend checked or wrote."""
     name = c["name"]
-    shown = _short(name, 128)  # wrapped on the card (CSS), never cut short of a real name
+    shown = short(name, 128)  # wrapped on the card (CSS), never cut short of a real name
     if c.get("thumbnail"):
         preview = (f'<img class="ls-thumb" src="{_attr(c["thumbnail"])}" alt="preview of {_attr(shown)}" '
                    f'data-source="{_attr(c.get("thumbnail_source") or "file")}">')
@@ -481,11 +493,11 @@ def card_html(c: dict) -> str:
     return (f'<div class="{cls}" data-name="{_attr(name)}"{tip}>{preview}<div class="ls-lcard-body">'
             f'<h4 title="{_attr(name)}">{html.escape(shown)}</h4>'
             + (f'<div class="ls-lcard-title">{html.escape(title)}</div>' if title and title != name else "")
-            + (f'<div class="ls-about" title="{_attr(about)}">{html.escape(_short(about, 120))}</div>' if about else "")
+            + (f'<div class="ls-about" title="{_attr(about)}">{html.escape(short(about, 120))}</div>' if about else "")
             + f'<div class="ls-family">{html.escape(made)}</div><div class="ls-nums">{html.escape(nums)}</div>'
             + (f'<div class="ls-uses">used in {uses} job{"s" if uses != 1 else ""}</div>' if uses else "")
             + (f'<div class="ls-triggers">{triggers}</div>' if triggers else "")
-            + (f'<div class="ls-reason" title="{_attr(reason)}">{html.escape(_short(reason, 160))}</div>'
+            + (f'<div class="ls-reason" title="{_attr(reason)}">{html.escape(short(reason, 160))}</div>'
                if reason else "")
             + f'{action}</div></div>')
 

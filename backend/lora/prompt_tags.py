@@ -50,11 +50,15 @@ _BLANKS_BEFORE_PUNCT = re.compile(r"(?<!\s)\s+([,.;])")
 _BLANK_RUN = re.compile(r"(?<![ \t])[ \t]{2,}")
 
 
+_COMMA_RUN = re.compile(r",(?: ?,)+")  # after the blanks are single: linear
+
+
 def tidy(text: str) -> str:
-    """A prompt with its tags taken out: no blanks before punctuation, single spaces, no stray commas
-    at the ends ("a cat , <lora:x>" -> "a cat"). Linear in the text."""
-    text = _BLANKS_BEFORE_PUNCT.sub(r"\1", text)
-    return _BLANK_RUN.sub(" ", text).strip().strip(",").strip()
+    """A prompt with its tags taken out: no blanks before punctuation, single spaces, one comma where a
+    tag stood between two ("a cat, <lora:x>, sitting" -> "a cat, sitting"), no stray commas at the ends
+    ("a cat , <lora:x>" -> "a cat"). Linear in the text."""
+    text = _BLANK_RUN.sub(" ", _BLANKS_BEFORE_PUNCT.sub(r"\1", text))
+    return _COMMA_RUN.sub(",", text).strip().strip(",").strip()  # "a cat, <lora:x>, sitting": one comma
 
 
 def merge(stack: list[dict] | None, tagged: list[dict]) -> list[dict]:
