@@ -150,13 +150,17 @@ def test_every_replica_fuses_the_same_files_and_equals_the_local_engine(studio, 
 @pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
 @pytest.mark.parametrize("field,value", [("num_inference_steps", 8), ("true_cfg_scale", 4.0)])
 def test_a_request_that_breaks_the_preset_is_rejected_by_name(studio, local, field, value):
+    """... and before it is queued: the Studio checks the fused preset's requirements at submit (#26), with
+    the words the replica's own check uses."""
     params = {"prompt": PROMPT, "seed": 1, field: value}
     with pytest.raises(ContractViolation) as local_err:
         local.generate(dict(params))
-    job = _done(studio, params)
-    assert job["status"] == "failed"
-    assert job["error"] == local_err.value.message and field in job["error"]
-    assert job["error_detail"]["status"] == 422 and job["error_detail"]["param"] == field
+    before = {j["id"] for j in studio.jobs(limit=1000)}
+    with pytest.raises(ContractViolation) as served_err:
+        studio.submit("generate", dict(params))
+    assert served_err.value.message == local_err.value.message and field in served_err.value.message
+    assert served_err.value.http_status == 422 and served_err.value.param == field
+    assert {j["id"] for j in studio.jobs(limit=1000)} == before
 
 
 @pytest.mark.slow  # multi-process Ray: a local cluster and its replicas (CI's slow step)
