@@ -564,8 +564,12 @@ class RayEngine:
                     "slots_per_replica": cfg.slots_per_replica,
                     "distill": cfg.distill.to_dict() if cfg.distill else None,
                     "preload": cfg.preload.to_dict() if cfg.preload else None}
+        # one constructor try per replica: what fails there (a distill or --lora-path file that differs from
+        # the head's, a model that will not load) fails again on retry, and Serve's default of 20 tries (each a
+        # model load and a hash) held a failing start for minutes before DEPLOY_FAILED
         replicas = GenerationReplica.options(num_replicas=cfg.replicas, ray_actor_options=actor,
-                                             max_ongoing_requests=cfg.jobs_per_replica).bind(settings)
+                                             max_ongoing_requests=cfg.jobs_per_replica,
+                                             max_constructor_retry_count=cfg.replicas).bind(settings)
         router = JobRouter.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
         try:
             self._handle = serve.run(router.bind(replicas, cfg.multiplex), name=cfg.app_name, route_prefix=None)
