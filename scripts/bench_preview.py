@@ -4,7 +4,7 @@
 Sides, each the same request on the same loaded pipeline: no previews (``on_preview=None``, the
 baseline), previews as the worker sends them (``preview.sender``: at most one a second, PNG-encoded),
 and a preview rendered and PNG-encoded after every step (the worst case). Rounds are rotated
-(backend/benchkit.py): medians with min-max, and the load average. Then the one-off cost: fitting a
+(bench/kit.py): medians with min-max, and the load average. Then the one-off cost: fitting a
 model's map (one small VAE encode and decode) and rendering one preview.
 
     python scripts/bench_preview.py [--model demo:qwen-image] [--rounds 15] [--steps 200] [--size 256]
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.benchkit import _loadavg, _rotated, _stat  # noqa: E402
+from bench.kit import _loadavg, _rotated, _stat  # noqa: E402
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ min-max over ``--switches`` switches), bytes written and bytes moved host->devic
 GB/s, the per-step overhead of the same adapter run unfused (rank-r matmuls on ``--tokens``
 activations of every targeted layer, vs the base matmuls), and whether base -> A -> B -> base
 is bit-exact in bf16 (device digests of every parameter). Then the cost model
-(backend/costmodel.py) for the full models, to compare with what was measured per block.
+(bench/costmodel.py) for the full models, to compare with what was measured per block.
 """
 from __future__ import annotations
 
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-    from backend.costmodel import table as cost_table
+    from bench.costmodel import table as cost_table
 
     print()
     print(cost_table())

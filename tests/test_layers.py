@@ -1,7 +1,7 @@
 """The import graph of backend/, ui/ and app.py, read with ``ast`` (imports inside functions too).
 
 (a) no cycles among the modules; (b) ui/ reaches the backend only through its facade modules
-and never imports torch or diffusers; (c) backend/ never imports gradio. The graph is built
+and never imports torch or diffusers; (c) backend/ never imports gradio, nor the benchmarks in bench/. The graph is built
 from whatever modules exist, so new modules are checked as they appear.
 """
 from __future__ import annotations
@@ -120,6 +120,15 @@ def test_backend_never_imports_gradio():
     bad = [f"{known[m].relative_to(ROOT)}:{line} imports {t}" for m, imports in raw.items()
            if m.startswith("backend") for t, line in imports if t.split(".")[0] in ("gradio", "gradio_client", "ui")]
     assert not bad, "\n".join(bad)
+
+
+def test_the_runtime_never_imports_benchmark_code():
+    """#42: benchmarks and the cost model live in bench/, outside the runtime package."""
+    known, _, raw = _graph()
+    bad = [f"{known[m].relative_to(ROOT)}:{line} imports {t}" for m, imports in raw.items()
+           for t, line in imports if t.split(".")[0] == "bench"]
+    assert not bad, "\n".join(bad)
+    assert not [p for p in (ROOT / "backend").rglob("*.py") if "bench" in p.stem or p.stem == "costmodel"]
 
 
 # Private state reached from another module: the known friends (the unfused path is the engine's

@@ -84,7 +84,7 @@ def same_names(state: dict) -> dict:
 
 def write_state(original: dict, qtype: str, out: Path, arch: str = "sd3") -> None:
     """A state dict (original names) as a GGUF file: 2-D tensors whose rows split into blocks in ``qtype``,
-    1-D ones F32, the rest F16 (``backend.bench quant`` writes its larger model with it too)."""
+    1-D ones F32, the rest F16 (``python -m bench quant`` writes its larger model with it too)."""
     import gguf
     import torch
 

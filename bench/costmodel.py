@@ -1,6 +1,6 @@
 """A cost model for one adapter switch on a GPU, from bandwidths given as inputs.
 
-Printed by ``python -m backend.bench lora`` next to the measured CPU rows and by
+Printed by ``python -m bench lora`` next to the measured CPU rows and by
 ``scripts/gpu_check_switch.py`` next to what it measures on CUDA. A switch rewrites every
 touched Linear weight as ``W = addmm(W0, B, A)`` (backend/lora/engine.py):
 

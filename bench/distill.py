@@ -1,7 +1,7 @@
 """Fuse / restore time per demo model and for a synthetic Wan transformer, against
 reloading from disk (the alternative way back to an exact base).
 
-    python -m backend.distill.bench [--device cpu|cuda] [--dtype float32|bfloat16] [--repeat N]
+    python -m bench.distill [--device cpu|cuda] [--dtype float32|bfloat16] [--repeat N]
                                     [--models demo:qwen-image ...] [--no-synthetic]
 
 Columns: fuse = load the file(s), fuse, drop LoRA layers, checksum before/after;
@@ -51,8 +51,8 @@ def _touch(module: torch.nn.Module) -> torch.nn.Module:
 
 def _measure(name: str, pipeline, class_name: str, denoisers: dict, files: list, reload, device, repeat,
              reload_pipeline=None, model_dir=None, keep="memory") -> dict:
-    from ..weights import module_checksum
-    from .lifecycle import FusedBase
+    from backend.weights import module_checksum
+    from backend.distill.lifecycle import FusedBase
 
     fb = FusedBase(pipeline, class_name, denoisers, model_dir, keep=keep)
     fb.base_checksums()  # recorded once per model, not per fuse
@@ -72,9 +72,9 @@ def _measure(name: str, pipeline, class_name: str, denoisers: dict, files: list,
 
 
 def bench_demo(model_id: str, device: str, dtype: str, repeat: int, data_dir=None) -> dict:
-    from ..manager import PipelineManager
-    from ..presets import get_preset
-    from .demo_files import write_demo_file
+    from backend.manager import PipelineManager
+    from backend.presets import get_preset
+    from backend.distill.demo_files import write_demo_file
 
     preset_for = {"demo:qwen-image": "qwen-image-2512-lightning-4step", "demo:wan2.1-t2v": "wan2.1-t2v-lightx2v-4step",
                   "demo:wan2.2-t2v": "wan2.2-t2v-a14b-lightx2v-4step",
@@ -101,8 +101,8 @@ def bench_synthetic(device: str, dtype: str, repeat: int) -> list[dict]:
     from diffusers import WanPipeline, WanTransformer3DModel
     from safetensors.torch import save_file
 
-    from ..manager import pick_device, pick_dtype, quiet_libraries
-    from .demo_files import build_state_dict
+    from backend.manager import pick_device, pick_dtype, quiet_libraries
+    from backend.distill.demo_files import build_state_dict
 
     quiet_libraries()
     dev = pick_device(device)
@@ -144,7 +144,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m backend.distill.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.distill", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeat", type=int, default=3)

@@ -1,5 +1,5 @@
 """The benchmarks' shared harness: rotated rounds, medians with min-max, the load average (a leaf:
-``backend.bench`` and ``backend.bench_quant`` both use it)."""
+``bench/__main__.py``, ``bench/quant.py`` and ``scripts/bench_preview.py`` use it)."""
 from __future__ import annotations
 
 import statistics

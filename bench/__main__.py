@@ -1,9 +1,9 @@
 """Benchmarks that print ratios against plain diffusers, measured side by side in one run.
 
-    python -m backend.bench lora [--switches 1000] [--threads 2] [--quick]
+    python -m bench lora [--switches 1000] [--threads 2] [--quick]
                                  [--only timing|disk|drift|switches|rss]
-    python -m backend.bench batch [--model demo:qwen-image] [--sizes 1,2,4,8] [--rounds 15] [--steps 4]
-    python -m backend.bench quant [--rounds 15] [--threads 2] [--quick]   (backend/bench_quant.py)
+    python -m bench batch [--model demo:qwen-image] [--sizes 1,2,4,8] [--rounds 15] [--steps 4]
+    python -m bench quant [--rounds 15] [--threads 2] [--quick]   (bench/quant.py)
 
 ``batch``: mixed-adapter batches (backend/batch.py) against the same requests one by one with merge
 switching and against diffusers' per-adapter calls (``BatchBench``).
@@ -40,7 +40,7 @@ def _rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-from .benchkit import _interleaved, _loadavg, _ms, _rotated, _stat  # noqa: E402,F401 (the shared harness)
+from bench.kit import _interleaved, _loadavg, _ms, _rotated, _stat  # noqa: E402,F401 (the shared harness)
 
 
 class LoraBench:
@@ -99,12 +99,12 @@ class LoraBench:
     def engine(self, model, **kw):
         from diffusers import WanPipeline
 
-        from .lora.engine import LoRAEngine
+        from backend.lora.engine import LoRAEngine
 
         return LoRAEngine(WanPipeline, {"transformer": model}, model="bench-wan", **kw)
 
     def req(self, i):
-        from .lora.request import LoRARequest
+        from backend.lora.request import LoRARequest
 
         return LoRARequest(f"adapter-{i}", i + 1, str(self.paths[i]))
 
@@ -232,7 +232,7 @@ class LoraBench:
             model = self.build(width, 2)
             paths = self._write_adapters(model, tag=f"-w{width}", count=2)
             engine = self.engine(model, max_loras=2, max_cpu_loras=2, pristine="device")
-            from .lora.request import LoRARequest
+            from backend.lora.request import LoRARequest
 
             reqs = [LoRARequest(f"w{width}-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
             engine.activate([(reqs[0], 1.0)])
@@ -259,10 +259,10 @@ class LoraBench:
         interleaved rounds. Ours is measured cold: its sha256 cache entry is dropped first, so
         every measured activation reads, hashes, checks, converts, fits and merges.
         """
-        from .cpu_tasks import single_threaded
-        from .lora import formats
-        from .lora.convert import convert
-        from .lora.fit import fit
+        from backend.cpu_tasks import single_threaded
+        from backend.lora import formats
+        from backend.lora.convert import convert
+        from backend.lora.fit import fit
 
         rounds = max(8, self.args.switch_repeats)
         theirs_parts = {"load_lora_adapter": [], "set_adapters": [], "delete_adapters": []}
@@ -349,7 +349,7 @@ class LoraBench:
             den += float(ref.pow(2).sum())
         theirs_drift = (num / den) ** 0.5
         ours = copy.deepcopy(self.model).to(torch.bfloat16)
-        from .weights import module_checksum
+        from backend.weights import module_checksum
 
         pristine = module_checksum(ours)
         engine = self.engine(ours, max_loras=2, max_cpu_loras=2)
@@ -365,7 +365,7 @@ class LoraBench:
 
     def switches(self, model, dtype):
         """N random switches among all adapters, both tiers, stacking included: checksum and RSS."""
-        from .weights import module_checksum
+        from backend.weights import module_checksum
 
         n = self.args.switches
         pristine = module_checksum(model)
@@ -431,9 +431,9 @@ class BatchBench:
       of serving several adapters."""
 
     def __init__(self, args):
-        from .lora import attach, demo_adapters
-        from .lora.request import LoRARequest
-        from .manager import PipelineManager
+        from backend.lora import attach, demo_adapters
+        from backend.lora.request import LoRARequest
+        from backend.manager import PipelineManager
 
         self.args = args
         data_dir = args.data_dir or tempfile.mkdtemp(prefix="lora-studio-bench-")
@@ -457,7 +457,7 @@ class BatchBench:
                  i % len(self.sets)) for i in range(n)]
 
     def batched(self, n: int, r: int):
-        from .batch import generate_batch
+        from backend.batch import generate_batch
 
         reqs = self.requests(n, r)
         generate_batch(self.ours, [q for q, _ in reqs], [self.sets[k] for _, k in reqs])
@@ -508,7 +508,7 @@ class BatchBench:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend.bench")
+    parser = argparse.ArgumentParser(prog="python -m bench")
     sub = parser.add_subparsers(dest="what", required=True)
     lora = sub.add_parser("lora", help="PEFT engine vs plain diffusers")
     lora.add_argument("--threads", type=int, default=2)
@@ -536,7 +536,7 @@ def main(argv=None) -> int:
     batch.add_argument("--size", type=int, default=64, help="image height and width")
     batch.add_argument("--threads", type=int, default=1)
     batch.add_argument("--data-dir", help="where the demo model and adapters are built (default: a temp dir)")
-    from . import bench_quant  # `quant`: a LoRA on fp8 / GGUF bases (backend/bench_quant.py)
+    from bench import quant as bench_quant  # `quant`: a LoRA on fp8 / GGUF bases (bench/quant.py)
 
     bench_quant.add_parser(sub)
     args = parser.parse_args(argv)
@@ -544,13 +544,13 @@ def main(argv=None) -> int:
         if args.quick:
             args.width, args.layers, args.tokens, args.rounds = 256, 1, 64, 3
         torch.set_num_threads(args.threads)
-        from .manager import quiet_libraries
+        from backend.manager import quiet_libraries
 
         quiet_libraries()
         return bench_quant.run(args)
     if args.what == "batch":
         torch.set_num_threads(args.threads)
-        from .manager import quiet_libraries
+        from backend.manager import quiet_libraries
 
         quiet_libraries()
         bench = BatchBench(args)
@@ -567,7 +567,7 @@ def main(argv=None) -> int:
         args.width, args.layers, args.tokens, args.rounds, args.switch_repeats = 256, 1, 64, 5, 4
         args.sweep, args.switches = [256, 512], 50
     torch.set_num_threads(args.threads)
-    from .manager import quiet_libraries
+    from backend.manager import quiet_libraries
 
     quiet_libraries()
     bench = LoraBench(args)
@@ -576,7 +576,7 @@ def main(argv=None) -> int:
     print(bench.table())
     print(f"load average at the end: {_loadavg()}")
     print()
-    from .costmodel import table as cost_table
+    from bench.costmodel import table as cost_table
 
     print(cost_table())
     return 0

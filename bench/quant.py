@@ -1,4 +1,4 @@
-"""``python -m backend.bench quant``: a LoRA served unfused on quantized bases against the plain base.
+"""``python -m bench quant``: a LoRA served unfused on quantized bases against the plain base.
 
 A synthetic SD3 transformer of realistic shape (width 1024 = 16 heads x 64, FFN 4096, 2 joint blocks,
 256 image tokens + 64 text tokens, seeded) is saved as a diffusers folder and written as GGUF files
@@ -47,11 +47,11 @@ def _adapter(model, out: Path, rank: int) -> Path:
 def run(args) -> int:
     from diffusers import GGUFQuantizationConfig, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    from . import quant
-    from .benchkit import _loadavg, _rotated, _stat
-    from .demo.gguf import sd3_original_names, write_state
-    from .lora.engine import LoRAEngine
-    from .lora.request import LoRARequest
+    from backend import quant
+    from bench.kit import _loadavg, _rotated, _stat
+    from backend.demo.gguf import sd3_original_names, write_state
+    from backend.lora.engine import LoRAEngine
+    from backend.lora.request import LoRARequest
 
     tmp = Path(tempfile.mkdtemp(prefix="quant-bench-"))
     model = _build(args.width, args.layers, args.tokens)
