@@ -1,0 +1,193 @@
+"""The Studio facade: what the UI (ui/) and the HTTP API (backend/api/) talk to.
+
+``Studio`` builds the service's parts from one start config and hands each call to the part whose
+job it is; no rule lives here. Every method returns plain JSON-able dicts; importing this package
+does not import torch or Gradio (the worker process is where the pipeline lives).
+
+    core.py      Core: the start config, the job queue, the worker, the adapter resolver, the limits
+    jobs.py      JobService: submit (checked, all or none), job views, cancel, wait
+    models.py    ModelService: the model list and switch, presets, the system view
+    library.py   AdapterLibrary: adapters and their fit, cards, import/delete/pin/register
+    previews.py  Previews: "Make preview" jobs and their thumbnails
+    gallery.py   Gallery: outputs and facets, delete, a video's last frame, PNG info, plots
+"""
+from __future__ import annotations
+
+from ..families import DEFAULT_MODEL
+from ..jobs.queue import FINISHED
+from ..limits import MAX_PLOT_PIXELS, MAX_PLOT_SIDE, check_plot_cells, check_plot_size  # noqa: F401 (the UI's plot budget)
+from ..lora.schedule import parse_text as parse_scale_text  # noqa: F401 - the UI's scale fields (torch-free)
+from ..pnginfo import infotext  # noqa: F401 - the UI's result line (torch-free)
+from .core import Core
+from .gallery import Gallery
+from .jobs import JobService
+from .library import AdapterLibrary
+from .models import ModelService, job_error
+from .previews import Previews
+
+
+class Studio:
+    """Start options as ``app.py serve`` takes them (``Core.build``); ``start()`` starts the worker."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **options):
+        self.core = core = Core.build(model, **options)
+        self.model_service = ModelService(core)
+        self.job_service = JobService(core, self.model_service)
+        self.gallery = Gallery(core)
+        self.previews = Previews(core, self.job_service, self.gallery)
+        self.library = AdapterLibrary(core, self.previews)
+        # what the HTTP API, the CLI and the tests read of the server's state
+        self.data_dir, self.config, self.limits = core.data_dir, core.config, core.limits
+        self.queue, self.supervisor, self.resolver = core.queue, core.supervisor, core.resolver
+        self.model, self.preset, self.lora_backend, self.engine = model, core.preset, core.lora_backend, core.engine
+        self.recovered, self.started_at = core.recovered, core.started_at
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, *, timeout: float = 600.0) -> "Studio":
+        """Start the worker and wait until it has loaded the model (raises if it cannot)."""
+        self.supervisor.start(wait_ready=True, timeout=timeout)
+        return self
+
+    def stopping(self) -> None:
+        """Shutdown has begun (Ctrl-C, SIGTERM): end every wait for a job now (503), so the HTTP
+        server's graceful close does not have to cancel those requests."""
+        self.queue.interrupt()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.stopping()
+            self.supervisor.stop()
+            self.queue.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- jobs (jobs.py) --------------------------------------------------------------------------
+    def submit(self, kind, params, adapters=None, preset=None, model=None) -> dict:
+        return self.job_service.submit(kind, params, adapters, preset, model)
+
+    def submit_many(self, requests: list[dict]) -> list[dict]:
+        return self.job_service.submit_many(requests)
+
+    def job(self, job_id: str) -> dict:
+        return self.job_service.job(job_id)
+
+    def job_preview(self, job_id: str) -> dict | None:
+        return self.job_service.job_preview(job_id)
+
+    def jobs(self, limit: int = 100, status: str | None = None) -> list[dict]:
+        return self.job_service.jobs(limit, status)
+
+    def active_jobs(self, kinds: tuple[str, ...] | None = ("generate",)) -> list[dict]:
+        return self.job_service.active_jobs(kinds)
+
+    def cancel(self, job_id: str) -> dict:
+        return self.job_service.cancel(job_id)
+
+    def wait(self, job_id: str, timeout: float | None = None) -> dict:
+        return self.job_service.wait(job_id, timeout)
+
+    async def wait_async(self, job_id: str, timeout: float | None = None) -> dict:
+        return await self.job_service.wait_async(job_id, timeout)
+
+    def run(self, kind, params, adapters=None, preset=None, model=None, timeout: float | None = None) -> dict:
+        return self.job_service.run(kind, params, adapters, preset, model, timeout)
+
+    # -- models and presets (models.py) ----------------------------------------------------------
+    def current_model(self) -> str:
+        return self.core.current_model()
+
+    def current_preset(self) -> str | None:
+        return self.core.current_preset()
+
+    def seconds_per_step(self) -> float | None:
+        return self.model_service.seconds_per_step()
+
+    def models(self) -> list[dict]:
+        return self.model_service.models()
+
+    def check_model(self, model_id) -> str:
+        return self.model_service.check_model(model_id)
+
+    def switch_model(self, model_id: str) -> dict:
+        return self.model_service.switch_model(model_id)
+
+    def presets(self) -> list[dict]:
+        return self.model_service.presets()
+
+    def apply_preset(self, preset_id: str, timeout: float | None = 600.0) -> dict:
+        return self.model_service.apply_preset(preset_id, timeout)
+
+    def restore_base(self, timeout: float | None = 600.0) -> dict:
+        return self.model_service.restore_base(timeout)
+
+    def system(self) -> dict:
+        return self.model_service.system()
+
+    # -- the adapter library (library.py, previews.py) -------------------------------------------
+    def adapters(self) -> list[dict]:
+        return self.library.adapters()
+
+    def adapter_detail(self, name: str) -> dict:
+        return self.library.adapter_detail(name)
+
+    def library_signature(self) -> str:
+        return self.library.signature()
+
+    def adapter_cards(self) -> list[dict]:
+        return self.library.adapter_cards()
+
+    def adapter_use_counts(self) -> dict[str, int]:
+        return self.library.adapter_use_counts()
+
+    def make_preview(self, name: str) -> dict:
+        return self.library.make_preview(name)
+
+    def import_adapter(self, src, name: str | None = None) -> dict:
+        return self.library.import_adapter(src, name)
+
+    def delete_adapter(self, name: str) -> dict:
+        return self.library.delete_adapter(name)
+
+    def pin(self, name: str, pinned: bool = True) -> dict:
+        return self.library.pin(name, pinned)
+
+    def load_adapter(self, name: str, path: str) -> dict:
+        return self.library.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> dict:
+        return self.library.unload_adapter(name)
+
+    def loaded_adapters(self) -> list[dict]:
+        return self.library.loaded_adapters()
+
+    # -- outputs (gallery.py) --------------------------------------------------------------------
+    def outputs_dir(self) -> str:
+        return self.gallery.outputs_dir()
+
+    def outputs(self, limit: int = 50, offset: int = 0, *, model: str | None = None,
+                adapter: str | None = None) -> list[dict]:
+        return self.gallery.outputs(limit, offset, model=model, adapter=adapter)
+
+    def output_facets(self) -> dict:
+        return self.gallery.output_facets()
+
+    def delete_output(self, path: str) -> dict:
+        return self.gallery.delete_output(path)
+
+    def result_image(self, job_id: str) -> dict:
+        return self.gallery.result_image(job_id)
+
+    def png_info(self, path) -> dict | None:
+        return self.gallery.png_info(path)
+
+    def save_plot(self, image, sidecar: dict) -> dict:
+        return self.gallery.save_plot(image, sidecar)
+
+
+__all__ = ["Studio", "FINISHED", "DEFAULT_MODEL", "job_error"]
