@@ -252,7 +252,7 @@ def test_a_compiled_denoiser_is_not_recompiled_per_step(library, managers):
 
 # -- the UI's stack (ui/generate.py: the "weight over steps" field) ---------------------------------------
 def test_ui_stack_takes_the_text_forms_and_restores_them():
-    from ui.generate import adapter_payload, stack_from_payload
+    from ui.stack import adapter_payload, stack_from_payload
     from ui.views import adapters_label
 
     stack = [{"name": "a", "scale": 0.5, "split": False, "high": 0.5, "low": 0.5, "schedule": "1.0,0.8,0.5"},

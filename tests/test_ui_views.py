@@ -56,7 +56,7 @@ def test_only_fitting_adapters_are_offered_and_the_others_say_why():
 
 
 def test_the_stack_becomes_the_facade_payload_and_back():
-    from ui.generate import adapter_payload, stack_from_payload
+    from ui.stack import adapter_payload, stack_from_payload
 
     stack = [{"name": "a", "scale": 0.5, "split": False, "high": 0.5, "low": 0.5},
              {"name": "b", "scale": 1.0, "split": True, "high": 1.2, "low": 0.3}]
@@ -68,7 +68,7 @@ def test_the_stack_becomes_the_facade_payload_and_back():
 
 
 def test_a_blank_weight_is_refused_by_the_adapters_name_only_where_the_job_reads_it():
-    from ui.generate import stack_weights
+    from ui.stack import stack_weights
 
     row = {"name": "ink", "scale": None, "split": True, "high": 1.0, "low": 0.5}
     with pytest.raises(ValueError, match="LoRA ink: the weight box is empty"):

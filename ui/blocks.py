@@ -8,7 +8,8 @@ from pathlib import Path
 import gradio as gr
 
 
-from . import adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, system, workspace, xyz
+from . import (adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, server_state, system,
+               workspace, xyz)
 
 CSS = """
 .ls-bar { height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; margin-top: 4px; }
@@ -168,9 +169,9 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
         def on_load():
             # the server's state: loaded model, fused preset (badge and picker), the library
             preset = studio.current_preset()
-            return [*gen.load_models(), *generate.adapter_pick_updates(studio),
-                    gr.update(choices=generate.preset_choices(studio), value=preset or generate.NO_PRESET),
-                    generate.badge_html(preset), generate.lora_hint(studio)]
+            return [*gen.load_models(), *server_state.adapter_pick_updates(studio),
+                    gr.update(choices=server_state.preset_choices(studio), value=preset or server_state.NO_PRESET),
+                    server_state.badge_html(preset), generate.lora_hint(studio)]
 
         loaded = blocks.load(on_load, None, [*gen.model_outputs, gen.pick, gen.unfit, gen.preset, gen.badge,
                                              gen.hint], api_visibility="private", js=PAGE_JS)

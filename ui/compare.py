@@ -15,7 +15,8 @@ from backend.service import check_plot_cells
 from . import views
 from .fields import WIDGETS, clean_value
 from .follow import follow
-from .generate import GenerateTab, models_by_id
+from .generate import GenerateTab
+from .server_state import models_by_id
 from .grid import cell_size, compose, corner, first_frame, geometry, parse_numbers
 from .views import error_html, readable
 

@@ -54,7 +54,7 @@ def snapshot(armed, model_id, prompt, seed, stack, *values) -> dict:
     """The workspace as the tab holds it now (``gr.update()`` until the page has restored): ``values`` are
     the rows' weight boxes (``GenerateTab.weight_inputs``) then the fields. The whole object each time: a
     merge with the stored one could write back a value read before another write."""
-    from .generate import MAX_LORAS, stack_as_shown
+    from .stack import MAX_LORAS, stack_as_shown
 
     if not armed:
         return gr.update()
@@ -122,7 +122,8 @@ def restored_note(saved: dict, model_id: str, same_model: bool, adapters: int, l
 def wire(studio, gen, tabs: gr.Tabs, tab_by_id: dict, loaded) -> gr.BrowserState:
     """Save the Generate tab's workspace and the open tab as they change; put them back after ``loaded``
     (the page's load event, which shows the server's model with its defaults)."""
-    from .generate import MAX_LORAS, field_updates, models_by_id, render_stack
+    from .server_state import field_updates, models_by_id
+    from .stack import MAX_LORAS, render_stack
 
     data_dir = getattr(studio, "data_dir", None)
     saved, open_tab = state(data_dir, default={}), state(data_dir, f"{STORAGE_KEY}-tab")  # apart: no race

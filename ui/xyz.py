@@ -22,7 +22,9 @@ from backend.service import check_plot_cells
 from . import views
 from .fields import WIDGETS, clean_value
 from .follow import follow
-from .generate import GenerateTab, adapter_payload, models_by_id
+from .generate import GenerateTab
+from .server_state import models_by_id
+from .stack import adapter_payload
 from .grid import cell_size, compose_xyz, first_frame, geometry
 from .views import error_html, readable
 

@@ -1,0 +1,190 @@
+"""The Generate tab's LoRA stack: a fixed set of row slots over one ``gr.State`` list; rows are
+shown, filled and hidden from that list, which keeps every widget stable for the browser (dynamic
+re-rendering would rebuild them mid-job). Here: the list's conversions (to the facade's adapter
+payload and back, a schedule as text), the rows' updates, the weight checks, and the rows' events."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from .server_state import two_stage_of
+from .views import error_html
+
+MAX_LORAS = 6
+
+
+def adapter_payload(stack: list[dict], two_stage: bool) -> list[dict]:
+    """The stack as the facade takes it: [{"name", "scale"}], scale per component when split; a
+    row's "over steps" text (``1.0,0.8,0.5``, ``0.5->1.0`` or JSON: backend/lora/schedule.py) wins."""
+    from backend.service import parse_scale_text as parse_text
+
+    out = []
+    for e in stack:
+        if str(e.get("schedule") or "").strip():
+            out.append({"name": e["name"], "scale": parse_text(e["schedule"], f"{e['name']}: weight over steps")})
+        elif two_stage and e.get("split"):
+            out.append({"name": e["name"], "scale": {"transformer": float(e["high"]),
+                                                     "transformer_2": float(e["low"])}})
+        else:
+            out.append({"name": e["name"], "scale": float(e["scale"])})
+    return out
+
+
+def stack_from_payload(adapters: list[dict]) -> list[dict]:
+    stack = []
+    for a in adapters[:MAX_LORAS]:
+        scale = a.get("scale", 1.0)
+        text = schedule_text(scale)
+        if text:
+            stack.append({"name": a["name"], "scale": 1.0, "split": False, "high": 1.0, "low": 1.0,
+                          "schedule": text})
+        elif isinstance(scale, dict):
+            hi, lo = float(scale.get("transformer", 1.0)), float(scale.get("transformer_2", 1.0))
+            stack.append({"name": a["name"], "scale": hi, "split": True, "high": hi, "low": lo})
+        else:
+            s = float(scale)
+            stack.append({"name": a["name"], "scale": s, "split": False, "high": s, "low": s})
+    return stack
+
+
+def schedule_text(scale) -> str:
+    """A scale the weight boxes cannot show, as the "over steps" field's text ("" for a number or
+    numbers per transformer): ``1.0,0.8,0.5``, ``0.5->1.0``, else JSON."""
+    import json
+
+    if isinstance(scale, list):
+        return ",".join(f"{v:g}" for v in scale)
+    if isinstance(scale, dict) and set(scale) == {"start", "end"}:
+        return f"{scale['start']:g}->{scale['end']:g}"
+    if isinstance(scale, dict) and not all(isinstance(v, (int, float)) for v in scale.values()):
+        return json.dumps(scale)
+    return ""
+
+
+@dataclass
+class StackRow:
+    row: gr.Group
+    name: gr.Textbox
+    scale: gr.Number
+    split: gr.Checkbox
+    high: gr.Number
+    low: gr.Number
+    up: gr.Button
+    down: gr.Button
+    remove: gr.Button
+    schedule: gr.Textbox = None  # the weight over steps / per block, as text (overrides the weight boxes)
+
+    def outputs(self) -> list:
+        return [self.row, self.name, self.scale, self.split, self.high, self.low, self.schedule]
+
+
+def render_stack(stack: list[dict], two_stage: bool) -> list:
+    updates = []
+    for i in range(MAX_LORAS):
+        if i < len(stack):
+            e = stack[i]
+            split = two_stage and bool(e.get("split"))
+            updates += [gr.update(visible=True), e["name"], gr.update(value=e["scale"], visible=not split),
+                        gr.update(value=split, visible=two_stage), gr.update(value=e["high"], visible=split),
+                        gr.update(value=e["low"], visible=split), e.get("schedule") or ""]
+        else:
+            updates += [gr.update(visible=False), "", gr.update(value=1.0), gr.update(value=False),
+                        gr.update(value=1.0), gr.update(value=1.0), ""]
+    return updates
+
+
+def stack_as_shown(stack: list[dict] | None, weights) -> list[dict]:
+    """The stack with each row's weights as its boxes show them now (``GenerateTab.weight_inputs``): the
+    stack state is written by the boxes' change events, which may not have landed at a click."""
+    texts = weights[3 * MAX_LORAS:]
+    return [{**e, "scale": weights[3 * i], "high": weights[3 * i + 1], "low": weights[3 * i + 2],
+             "schedule": texts[i] if i < len(texts) else e.get("schedule")} for i, e in enumerate(stack or [])]
+
+
+def weight_box(label: str, **kw) -> gr.Number:
+    """A LoRA weight: a number box (arrows step 0.05) that keeps what is typed, 5 or -7.5 as well as 0.8;
+    a blank box reaches ``submit`` as None and is refused there by the adapter's name. (A slider's box
+    clamps a typed 5 to its bound and turns a blank or text into 0 in the browser, before any check.)"""
+    return gr.Number(value=1.0, step=0.05, label=label, min_width=90, **kw)
+
+
+def stack_weights(stack: list[dict], two_stage: bool) -> list[dict]:
+    """Refuse (ValueError), by the adapter's name, a weight box left blank (or not a finite number) that the
+    job would read: nothing is queued and the adapter stays in the stack."""
+    import math
+
+    for e in stack:
+        if str(e.get("schedule") or "").strip():
+            continue  # the "weight over steps" text replaces the boxes
+        keys = ("high", "low") if two_stage and e.get("split") else ("scale",)
+        for key in keys:
+            value = e.get(key)
+            where = {"scale": "weight", "high": "transformer (high noise) weight",
+                     "low": "transformer_2 (low noise) weight"}[key]
+            if value is None or isinstance(value, str) and not value.strip():
+                raise ValueError(f"LoRA {e['name']}: the {where} box is empty; type a number (0 turns the "
+                                 f"adapter off, ✕ removes it)")
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = math.nan
+            if not math.isfinite(number):
+                raise ValueError(f"LoRA {e['name']}: the {where} {value!r} is not a finite number")
+    return stack
+
+
+
+def wire(studio, t, add) -> None:
+    """The stack's events: Add (``t.add_adapter``, reused by the LoRA browser), each row's weights,
+    per-transformer toggle, up, down and remove."""
+    def add_adapter(name, stack, model_id):
+        if not name:
+            return [stack, *render_stack(stack, two_stage_of(studio, model_id)),
+                    error_html("pick an adapter first (the library has none that fit this model?)")]
+        if len(stack) >= MAX_LORAS:
+            return [stack, *render_stack(stack, two_stage_of(studio, model_id)),
+                    error_html(f"the stack holds at most {MAX_LORAS} adapters")]
+        if any(e["name"] == name for e in stack):
+            return [stack, *render_stack(stack, two_stage_of(studio, model_id)), error_html(f"{name} is already in the stack")]
+        stack = stack + [{"name": name, "scale": 1.0, "split": False, "high": 1.0, "low": 1.0}]
+        return [stack, *render_stack(stack, two_stage_of(studio, model_id)), ""]
+
+    t.add_adapter = add_adapter
+    add.click(add_adapter, [t.pick, t.stack, t.model], [t.stack, *t.row_outputs(), t.status],
+              api_visibility="private", queue=False)
+
+    for i, r in enumerate(t.rows):
+        def setter(key, i=i):
+            def set_value(value, stack):
+                if i < len(stack):
+                    stack = [dict(e) for e in stack]
+                    stack[i][key] = value
+                    if key == "scale":  # the split boxes start from the shared weight
+                        stack[i]["high"] = stack[i]["low"] = value
+                return stack
+            return set_value
+        for key, comp in (("scale", r.scale), ("high", r.high), ("low", r.low), ("schedule", r.schedule)):
+            comp.change(setter(key), [comp, t.stack], t.stack, api_visibility="private", queue=False)
+
+        def toggle(split, stack, model_id, i=i):
+            stack = [dict(e) for e in stack]
+            if i < len(stack):
+                stack[i]["split"] = bool(split)
+            return [stack, *render_stack(stack, two_stage_of(studio, model_id))]
+
+        r.split.input(toggle, [r.split, t.stack, t.model], [t.stack, *t.row_outputs()],
+                      api_visibility="private", queue=False)
+
+        def move(stack, model_id, i=i, delta=0):
+            stack = list(stack)
+            j = i + delta
+            if delta == 0:
+                stack = stack[:i] + stack[i + 1:]
+            elif 0 <= j < len(stack) and i < len(stack):
+                stack[i], stack[j] = stack[j], stack[i]
+            return [stack, *render_stack(stack, two_stage_of(studio, model_id))]
+
+        for btn, delta in ((r.remove, 0), (r.up, -1), (r.down, 1)):
+            btn.click(lambda stack, model_id, i=i, delta=delta: move(stack, model_id, i, delta),
+                      [t.stack, t.model], [t.stack, *t.row_outputs()], api_visibility="private", queue=False)
