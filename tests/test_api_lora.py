@@ -189,3 +189,43 @@ def test_metrics_report_where_the_originals_live(server):
     assert p["mode"] == "auto" and p["placement"] == "device" and p["where"].startswith("device (cpu")
     assert 0 < p["bytes"] <= p["targetable_bytes"] and "cpu" in p["reason"]
     assert m["cache"]["pristine_bytes"] == p["bytes"] and m["cache"]["pristine_where"] == p["where"]
+
+
+def test_a_lycoris_loha_from_the_library_is_listed_applied_and_comes_off(server, data_dir):
+    """#28: a LoHa in the LyCORIS / kohya layout (``lycoris_<module>.hada_w1_a`` ...), dropped into the library:
+    listed as lycoris with its rank and fit, it changes the image, scale 0 and no adapter give the base back,
+    and lora_mode=unfused is refused naming it (a Hadamard product has no low-rank form to add per step)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from backend import settings
+
+    _, url = server
+    weights = settings.models_dir(data_dir) / "demo-qwen-image" / "transformer" / "diffusion_pytorch_model.safetensors"
+    gen, tensors = torch.Generator().manual_seed(0), {}
+    with safe_open(str(weights), "pt") as f:
+        for key in f.keys():
+            if key.endswith(("attn.to_q.weight", "attn.to_v.weight")):
+                out_f, in_f = f.get_slice(key).get_shape()
+                name = "lycoris_" + key.removesuffix(".weight").replace(".", "_")
+                for part, shape in (("hada_w1_a", (out_f, 4)), ("hada_w1_b", (4, in_f)), ("hada_w2_a", (out_f, 4)),
+                                    ("hada_w2_b", (4, in_f))):
+                    tensors[f"{name}.{part}"] = torch.randn(shape, generator=gen) * 0.3
+                tensors[f"{name}.alpha"] = torch.tensor(4.0)
+    path = data_dir / "adapters" / "loha-style.safetensors"
+    save_file(tensors, str(path))
+    try:
+        listing = httpx.get(f"{url}/v1/loras", timeout=120).json()["library"]
+        row = next(a for a in listing if a["name"] == "loha-style")
+        assert row["format"] == "lycoris" and row["fit"]["ok"] and row["rank"] == "4", row
+        base = _image(url)
+        styled = _image(url, lora={"name": "loha-style", "scale": 1.0})
+        assert np.abs(styled.astype(int) - base.astype(int)).mean() > 1.0
+        assert np.array_equal(_image(url, lora={"name": "loha-style", "scale": 0.0}), base)
+        assert np.array_equal(_image(url), base)  # merged off exactly
+        r = httpx.post(f"{url}/v1/images/generations",
+                       json={**FAST, "lora": {"name": "loha-style"}, "lora_mode": "unfused"}, timeout=120)
+        assert r.status_code == 400 and "'loha-style' (LyCORIS LoHa)" in r.json()["error"]["message"], r.text
+    finally:
+        path.unlink()  # the library is shared by the whole test session

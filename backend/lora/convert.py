@@ -27,9 +27,22 @@ PARTS = ("lora_A.weight", "lora_B.weight", "lora_B.bias")
 class LayerFactors:
     """One target layer's factors as stored, with the adapter's own scaling for it."""
 
-    tensors: dict  # part -> tensor, part in PARTS
+    tensors: dict  # part -> tensor, part in PARTS (a LyCORIS layer: its own parts, lycoris.py)
     scaling: float  # lora_alpha / r for this module (1.0 when the file stores none)
     keys: dict  # part -> the key as it will be reported (component-prefixed, diffusers naming)
+    kind: str = "lora"  # or a LyCORIS kind: "loha", "lokr", "full" (merged only: backend/lora/lycoris.py)
+    shape: tuple | None = None  # a LyCORIS layer's delta (out, in), set by lycoris.convert
+
+    @property
+    def bias_part(self) -> str:
+        """The part added to the layer's bias: LoRA's ``lora_B.bias``, a full diff's ``diff_b``."""
+        return "lora_B.bias" if self.kind == "lora" else "diff_b"
+
+    def delta_shape(self) -> tuple[int, int]:
+        """(out, in): the Linear weight's shape these factors make a delta of."""
+        if self.kind == "lora":
+            return int(self.tensors["lora_B.weight"].shape[0]), int(self.tensors["lora_A.weight"].shape[1])
+        return self.shape
 
 
 @dataclass

@@ -47,6 +47,7 @@ import torch
 from ..cpu_tasks import run_tasks
 from ..errors import AdapterError, AdapterNotFound, InvalidParameter
 from ..errors import LayerWriteFailed as _LayerWriteFailed, NonFinite as _NonFinite
+from . import lycoris
 from . import pristine as pristine_mod
 from . import schedule
 from .adapter import LoadedAdapter, load_adapter
@@ -59,13 +60,26 @@ Identity = tuple  # (resolved weights file, sha256): one adapter, whatever it is
 
 @dataclass(frozen=True)
 class _DeviceFactors:
-    """Factors ready to merge: in the weight's dtype on its device, with the adapter's own scaling."""
+    """Factors ready to merge: in the weight's dtype on its device, with the adapter's own scaling.
+    A LyCORIS layer (LoHa, LoKr, full diff: ``lycoris.py``) keeps its compact ``parts`` instead of
+    ``a``/``b``; its delta is built at merge time (``delta``)."""
 
-    a: torch.Tensor
-    b: torch.Tensor
+    a: torch.Tensor | None
+    b: torch.Tensor | None
     bias: torch.Tensor | None
     scaling: float
     bound: float = math.inf  # r * max|B| * max|A| (+ max|bias|): no element of B @ A is larger
+    kind: str = "lora"
+    parts: dict | None = None  # a LyCORIS layer's parts (no ``a``/``b``)
+
+    def delta(self) -> torch.Tensor:
+        """A LyCORIS layer's delta in fp32 on the device, before its scale."""
+        return lycoris.delta(self.kind, self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.a, self.b, self.bias, *(self.parts or {}).values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def identity_of(entry: LoadedAdapter) -> Identity:
@@ -533,9 +547,11 @@ class LoRAEngine:
         with torch.no_grad():
             if not contributions:
                 weight.data.copy_(w0)
-            else:
+            elif all(f.parts is None for f, _, _ in contributions):
                 b, a, alpha = _stacked(contributions, weight.dtype)
                 torch.addmm(w0, b, a, alpha=alpha, out=weight.data)
+            else:  # a LyCORIS layer among them: built in the fp32 buffer that sums everything
+                weight.data.copy_(_dense_merge(w0, contributions))
             key = (comp, b_name)
             if key in self.pristine:
                 bias = params[b_name]
@@ -579,6 +595,10 @@ class LoRAEngine:
         bad = []
         for f, s, name in contributions:
             c = s * f.scaling
+            if f.parts is not None:
+                if not math.isfinite(c) or not bool(torch.isfinite(f.delta() * c).all()):
+                    bad.append(name)
+                continue
             delta_ok = math.isfinite(c) and bool(torch.isfinite(f.b.float() * c).all()) and \
                 bool(torch.isfinite(f.a).all())
             if not delta_ok or not bool(torch.isfinite((f.b.float() * c) @ f.a.float()).all()):
@@ -621,7 +641,15 @@ class LoRAEngine:
                         weight = self._params[comp][f"{module}.weight"]
                         device = self.factor_device or weight.device
                         dtype = self._compute.get((comp, module), weight.dtype)  # never fp8/GGUF storage
-                        bias = f.tensors.get("lora_B.bias")
+                        bias = f.tensors.get(f.bias_part)
+                        if f.kind != "lora":  # LyCORIS: the compact parts, the delta built when merged
+                            factors[(comp, module)] = _DeviceFactors(
+                                a=None, b=None, bias=None if bias is None else bias.to(device, dtype),
+                                scaling=f.scaling, kind=f.kind,
+                                bound=lycoris.bound(f.kind, f.tensors) + (0.0 if bias is None else _amax(bias)),
+                                parts={p: t.to(device, dtype).contiguous() for p, t in f.tensors.items()
+                                       if p != f.bias_part})
+                            continue
                         fa, fb = f.tensors["lora_A.weight"], f.tensors["lora_B.weight"]
                         bound = fa.shape[0] * _amax(fa) * _amax(fb) + (0.0 if bias is None else _amax(bias))
                         factors[(comp, module)] = _DeviceFactors(
@@ -629,8 +657,7 @@ class LoRAEngine:
                             b=f.tensors["lora_B.weight"].to(device, dtype).contiguous(),
                             bias=None if bias is None else bias.to(device, dtype),
                             scaling=f.scaling, bound=bound)
-                nbytes = sum(t.numel() * t.element_size() for d in factors.values()
-                             for t in (d.a, d.b, d.bias) if t is not None)
+                nbytes = sum(d.nbytes for d in factors.values())
                 self.cache.device.put(key, factors, nbytes, keep=keep)
             out[key] = factors
         return out
@@ -694,6 +721,9 @@ def _stacked(contributions, dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(B, A, alpha) for one addmm: a single adapter as stored with its scale as alpha; several
     concatenated along the rank, each B_i scaled by c_i in fp32 and rounded once to ``dtype``
     (or as stored, with a common alpha, when all share one scale)."""
+    if any(f.parts is not None for f, _, _ in contributions):  # never: the policy keeps LyCORIS sets merged
+        raise AdapterError("a LyCORIS layer has no low-rank factors: it is applied by merge only",
+                           param="lora_mode")
     coeffs = [s * f.scaling for f, s, _ in contributions]
     if len(contributions) == 1:
         f = contributions[0][0]
@@ -703,6 +733,20 @@ def _stacked(contributions, dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
         return torch.cat([f.b for f, _, _ in contributions], dim=1), a, coeffs[0]
     b = torch.cat([(f.b.float() * c).to(dtype) for (f, _, _), c in zip(contributions, coeffs)], dim=1)
     return b, a, 1.0
+
+
+def _dense_merge(w0: torch.Tensor, contributions) -> torch.Tensor:
+    """pristine + every contribution in one fp32 buffer, for a layer with a LyCORIS delta among them (built
+    here from its compact parts on the device); the caller rounds it once into the weight's dtype."""
+    acc = w0.to(torch.float32, copy=True)
+    lora = [c for c in contributions if c[0].parts is None]
+    if lora:
+        b, a, alpha = _stacked(lora, torch.float32)
+        acc.addmm_(b.float(), a.float(), alpha=alpha)
+    for f, s, _ in contributions:
+        if f.parts is not None:
+            acc.add_(f.delta(), alpha=s * f.scaling)
+    return acc
 
 
 def _bias_terms(contributions):

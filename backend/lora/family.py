@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import lycoris
 from .convert import ConvertedAdapter, convert
 from .fit import FitReport, fit
+from .formats import is_lycoris
 
 @dataclass
 class Converted:
@@ -48,7 +50,10 @@ class LoRAFamily:
         self.pipeline_cls = pipeline_cls
 
     def convert(self, raw, denoisers: dict[str, torch.nn.Module]) -> Converted:
-        return Converted(convert(raw, self.pipeline_cls, default_component=next(iter(denoisers), "transformer")))
+        default = next(iter(denoisers), "transformer")
+        if is_lycoris(raw.tensors):  # LoHa / LoKr / full diffs: read against the denoisers' names
+            return Converted(lycoris.convert(raw, denoisers, default))
+        return Converted(convert(raw, self.pipeline_cls, default_component=default))
 
     def fit_targets(self, denoisers: dict[str, torch.nn.Module], converted: Converted) -> dict[str, torch.nn.Module]:
         return denoisers

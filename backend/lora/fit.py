@@ -145,16 +145,21 @@ def _check(layers: dict[str, LayerFactors], linears: dict[str, torch.nn.Linear],
             why = f"no Linear layer {module!r} in {comp}"
             unmatched += [(f.keys[p], why) for p in f.tensors]
             continue
-        a, b = f.tensors["lora_A.weight"], f.tensors["lora_B.weight"]
-        r = a.shape[0]
-        if tuple(a.shape) != (r, target.in_features):
-            mismatched.append(ShapeMismatch(f.keys["lora_A.weight"], tuple(a.shape), (r, target.in_features)))
-        if tuple(b.shape) != (target.out_features, r):
-            mismatched.append(ShapeMismatch(f.keys["lora_B.weight"], tuple(b.shape), (target.out_features, r)))
-        bias = f.tensors.get("lora_B.bias")
+        if f.kind == "lora":
+            a, b = f.tensors["lora_A.weight"], f.tensors["lora_B.weight"]
+            r = a.shape[0]
+            if tuple(a.shape) != (r, target.in_features):
+                mismatched.append(ShapeMismatch(f.keys["lora_A.weight"], tuple(a.shape), (r, target.in_features)))
+            if tuple(b.shape) != (target.out_features, r):
+                mismatched.append(ShapeMismatch(f.keys["lora_B.weight"], tuple(b.shape), (target.out_features, r)))
+        elif f.delta_shape() != (target.out_features, target.in_features):  # LyCORIS: the delta its parts make
+            first = next(p for p in f.tensors if p != f.bias_part)
+            mismatched.append(ShapeMismatch(f"{f.keys[first]} ({f.kind} delta)", f.delta_shape(),
+                                            (target.out_features, target.in_features)))
+        bias = f.tensors.get(f.bias_part)
         if bias is not None:
             if target.bias is None:
-                unmatched.append((f.keys["lora_B.bias"], f"{comp}.{module} has no bias to add to"))
+                unmatched.append((f.keys[f.bias_part], f"{comp}.{module} has no bias to add to"))
             elif tuple(bias.shape) != (target.out_features,):
-                mismatched.append(ShapeMismatch(f.keys["lora_B.bias"], tuple(bias.shape), (target.out_features,)))
+                mismatched.append(ShapeMismatch(f.keys[f.bias_part], tuple(bias.shape), (target.out_features,)))
     return unmatched, mismatched

@@ -29,7 +29,7 @@ PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = ("adapter_model.safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Formats, by where the file came from (what users recognise), not by how we bind it.
-FORMATS = ("peft", "peft-dump", "diffusers", "kohya", "lightx2v")
+FORMATS = ("peft", "peft-dump", "diffusers", "kohya", "lightx2v", "lycoris")
 # Bounds on what one file may ask of a reader (a listing reads every file's header):
 MAX_HEADER = 8 * 1024 * 1024  # header bytes (the spec allows 100 MB; real LoRA headers are < 1 MB)
 MAX_KEY_LEN = 256  # characters in one tensor key (real keys are < 150)
@@ -198,10 +198,30 @@ def _parse_header(data, size: int, file: Path) -> tuple[dict, dict, int]:
     return header, metadata, 8 + n
 
 
+# LyCORIS parts (backend/lora/lycoris.py reads them): LoHa, LoKr, full diffs, and Tucker cores (refused)
+LOHA = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+LOKR = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+FULL = ("diff", "diff_b")
+TUCKER = ("hada_t1", "hada_t2", "lokr_t1", "lokr_t2")
+_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_down.weight", ".lora_up.weight")
+
+
+def is_lycoris(keys) -> bool:
+    """A LyCORIS file: any LoHa / LoKr / Tucker part, or full diffs with no LoRA factors beside them
+    (lightx2v's distill files carry ``.diff`` keys beside their LoRA factors: those are not LyCORIS)."""
+    keys = list(keys)
+    parts = {k.rpartition(".")[2] for k in keys}
+    if parts & set(LOHA + LOKR + TUCKER):
+        return True
+    return "diff" in parts and not any(k.endswith(_LORA_SUFFIXES) for k in keys)
+
+
 def detect_format(keys, is_peft_folder: bool) -> str:
     if is_peft_folder:
         return "peft"
     keys = list(keys)
+    if is_lycoris(keys):  # LoHa / LoKr / full diffs, whatever their module names look like
+        return "lycoris"
     if any(k.startswith("lora_unet_") for k in keys):
         return "kohya"
     if any(k.startswith("diffusion_model.") for k in keys):
@@ -269,7 +289,8 @@ def _record(p: Path, file: Path, header: dict, metadata: dict, name: str | None,
         check_config(config, f"{file}: __metadata__ lora_adapter_metadata [{comp}]")
     fmt = detect_format(header, peft_config is not None)
     ranks = sorted({int(v["shape"][0]) for k, v in header.items()
-                    if k.endswith((".lora_down.weight", ".lora_A.weight")) and v.get("shape")})
+                    if k.endswith((".lora_down.weight", ".lora_A.weight", ".hada_w1_b", ".lokr_w1_b", ".lokr_w2_b"))
+                    and v.get("shape")})
     alpha_keys = [k for k in header if k.endswith(".alpha")]
     stored = scalars(alpha_keys) if alpha_keys else {}
     for key, value in stored.items():
@@ -320,7 +341,7 @@ def _read_scalars(file: Path, keys: list[str]) -> dict[str, float]:
 
 def _alpha(metadata: dict, peft_config: dict | None, stored: list[float], file: Path) -> float | None:
     if peft_config is not None:
-        return float(peft_config.get("lora_alpha", peft_config.get("r", 8)))
+        return float(peft_config.get("lora_alpha", peft_config.get("alpha", peft_config.get("r", 8))))
     if "lora_adapter_metadata" in metadata:  # written by diffusers' save_lora_weights (checked above)
         meta = json.loads(metadata["lora_adapter_metadata"])
         alphas = [v for k, v in meta.items() if k.endswith("lora_alpha")]

@@ -105,8 +105,9 @@ def check_config(config, where: str) -> dict:
         raise AdapterError(f"{where}: not a JSON object", param="lora_path")
     if "r" in config:
         _rank(config["r"], f"{where}: r")
-    if "lora_alpha" in config:
-        _alpha(config["lora_alpha"], f"{where}: lora_alpha")
+    for field in ("lora_alpha", "alpha"):  # peft's LoRA / its LoHa and LoKr configs
+        if field in config:
+            _alpha(config[field], f"{where}: {field}")
     for field, value_check in (("rank_pattern", _rank), ("alpha_pattern", _alpha)):
         patterns = config.get(field)
         if patterns is None:

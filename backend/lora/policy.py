@@ -59,6 +59,7 @@ class PolicyInputs:
     repeats: int = 0              # consecutive earlier requests with the same set
     scheduled: bool = False       # a scale changes between steps (a step schedule): unfused, always
     quantized: str = ""           # the base's quantized storage ("fp8 (...)", "gguf (Q8_0)"): unfused only
+    merge_only: str = ""          # adapters only a merge applies ("adapter 'x' (LyCORIS LoHa)"): merged always
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,23 @@ def unfused_cost(i: PolicyInputs) -> float | None:
 
 def decide(i: PolicyInputs, requested: str = "auto") -> Decision:
     """The mode for one request (see the module docstring for the formula). A quantized base is served
-    unfused whatever the numbers (a merge would write into fp8/GGUF storage); ``merge`` is refused."""
+    unfused whatever the numbers (a merge would write into fp8/GGUF storage); ``merge`` is refused.
+    A set with a merge-only adapter (LyCORIS: ``backend/lora/lycoris.py``) is merged whatever the numbers;
+    what would need it unfused (a quantized base, a step schedule, ``lora_mode=unfused``) is refused by name."""
+    if i.merge_only:
+        from ..errors import InvalidParameter
+
+        if i.quantized:
+            raise InvalidParameter(f"{i.merge_only} is applied by merge only, and this base is quantized "
+                                   f"({i.quantized}): adapters run unfused on it; use a LoRA, or an unquantized "
+                                   "base", param="lora")
+        if i.scheduled:
+            raise InvalidParameter(f"{i.merge_only} is applied by merge only: a weight over steps needs the "
+                                   "unfused path; give it one weight", param="lora_scale")
+        if requested == "unfused":
+            raise InvalidParameter(f"lora_mode=unfused: {i.merge_only} is applied by merge only (its delta has "
+                                   "no low-rank form to add per step)", param="lora_mode")
+        return Decision("merged", requested, f"{i.merge_only}: merge only", merge_cost(i), None, i)
     if i.quantized:
         if requested == "merge":
             from ..errors import InvalidParameter
@@ -178,6 +195,9 @@ def batch_costs(b: BatchInputs) -> tuple[float, float] | None:
 def decide_batch(b: BatchInputs) -> dict:
     """``{"mode": "batched" | "sequential", "reason", "predicted_sequential_s", "predicted_batched_s"}``:
     one pipeline call for the jobs, or each alone (its own merge-or-unfused ``decide``)."""
+    only = next((i.merge_only for i in b.jobs if i is not None and i.merge_only), "")
+    if only:  # a batch runs every set unfused, side by side
+        return {"mode": "sequential", "reason": f"{only} is applied by merge only"}
     costs = batch_costs(b)
     if costs is None:
         return {"mode": "batched", "reason": "no step time measured yet: the operator's --max-batch"}

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LayerWriteFailed as _LayerWriteFailed
+from .lycoris import NAMES
 from .policy import (BATCH_EFF_DEFAULTS, DEVICE_DEFAULTS, BatchInputs, Decision, PolicyInputs, check_mode, decide,
                      decide_batch)
 
@@ -320,10 +321,16 @@ class UnfusedServing:
         restore_bytes = sum(self._weight_bytes(t) for t in engine._merged)
         lowrank = 0
         per_comp: dict[str, int] = {}
+        merge_only: dict[str, str] = {}  # adapter -> its LyCORIS kind (no low-rank form: merged only)
         for (comp, module), items in plan.items():
             w = engine._params[comp][f"{module}.weight"]
-            rank = sum(entries[ident].bindings[comp].layers[module].tensors["lora_A.weight"].shape[0]
-                       for ident, _ in items)
+            rank = 0
+            for ident, _ in items:
+                f = entries[ident].bindings[comp].layers[module]
+                if f.kind != "lora":
+                    merge_only.setdefault(entries[ident].name, f.kind)
+                    continue
+                rank += f.tensors["lora_A.weight"].shape[0]
             lowrank += rank * (w.shape[0] + w.shape[1])
             per_comp[comp] = per_comp.get(comp, 0) + 1
         base = sum(self._linear_elems[c] for c in per_comp) or 1
@@ -332,7 +339,8 @@ class UnfusedServing:
                             ratio=lowrank / base, hooked_layers=max(per_comp.values()),
                             hook_s=float(cfg["hook_s"]), forwards=self.forwards,
                             queued_same=int(queued_same or 0), repeats=self._repeats, scheduled=scheduled,
-                            quantized=self.quantized)
+                            quantized=self.quantized,
+                            merge_only=", ".join(f"adapter {n!r} (LyCORIS {NAMES[k]})" for n, k in merge_only.items()))
 
     def _weight_bytes(self, target) -> int:
         comp, module = target
