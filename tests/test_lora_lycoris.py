@@ -229,3 +229,81 @@ def test_a_broken_lycoris_file_is_refused_naming_the_key_and_the_model_is_unchan
         m.lora_engine.activate([(req(path.stem, path), 1.0)])
     assert words in err.value.message, err.value.message
     assert sums(m) == base
+
+
+# -- DoRA (#28 item 2) ---------------------------------------------------------------------------------------
+def peft_dora(base, folder, seed=2):
+    """A peft DoRA adapter (LoraConfig(use_dora=True)) on a copy of ``base``: random factors, magnitudes off
+    the base norms, saved as a PEFT folder; returns (folder, {module: weight merged by peft})."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_dora=True)
+    model = inject_adapter_in_model(cfg, copy.deepcopy(base).float())
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_A" in name or "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=gen) * 0.2
+        elif "lora_magnitude_vector" in name:
+            p.data = p.data * (1 + 0.3 * torch.randn(p.shape, generator=gen))
+    state = get_peft_model_state_dict(model)
+    assert any(k.endswith("lora_magnitude_vector") for k in state)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(cfg.to_dict(), default=list))
+    merged = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and module.lora_A:
+            module.merge()
+            merged[name] = module.get_base_layer().weight.detach().clone()
+    return folder, merged
+
+
+def test_peft_dora_merges_as_peft_merges_it_and_a_weight_is_comfyuis_strength(managers, tmp_path):
+    m = managers(MODEL)
+    base = sums(m)
+    folder, want = peft_dora(transformer(managers), tmp_path / "dora")
+    w0 = merged_weights(m, want)
+    request = req("dora", folder)
+    meta = m.lora_engine.activate([(request, 1.0)])
+    assert meta[0]["mode"] == "merged"
+    assert_close(merged_weights(m, want), want, "peft DoRA, weight 1")
+    m.lora_engine.activate([(request, 0.5)])  # W0 + 0.5 (W_dora - W0)
+    assert_close(merged_weights(m, want), {n: w0[n] + 0.5 * (want[n] - w0[n]) for n in want}, "peft DoRA, weight 0.5")
+    with pytest.raises(InvalidParameter, match=r"'dora' \(DoRA\)"):
+        m.lora_engine.activate([(request, 1.0)], mode="unfused")
+    m.lora_engine.activate([])
+    assert sums(m) == base
+
+
+@pytest.mark.parametrize("axis", ["column", "row"])
+def test_kohya_dora_scale_normalises_the_axis_it_is_stored_for(axis, managers, library, tmp_path):
+    """kohya / LyCORIS ``dora_scale`` beside ``lora_down``/``lora_up``: (1, in) scales the column norms (their
+    default), (out, 1) the row norms (``wd_on_out``), of the weight with the LoRA merged (what this same file
+    without its dora_scale merges to)."""
+    from safetensors.torch import load_file
+
+    m = managers(MODEL)
+    base = sums(m)
+    plain = library / "qwen-image/demo-inverted.safetensors"
+    tensors = load_file(str(plain))
+    modules = {n.replace(".", "_"): n for n, _ in transformer(managers).named_modules()}
+    gen = torch.Generator().manual_seed(3)
+    scales = {}
+    for key in [k for k in tensors if k.endswith(".lora_down.weight")]:
+        head = key.removesuffix(".lora_down.weight")
+        out_f, in_f = tensors[f"{head}.lora_up.weight"].shape[0], tensors[key].shape[1]
+        shape = (1, in_f) if axis == "column" else (out_f, 1)
+        tensors[f"{head}.dora_scale"] = scales[modules[head.removeprefix("lora_unet_")]] = \
+            1 + 0.2 * torch.rand(shape, generator=gen)
+    path = tmp_path / f"dora-{axis}.safetensors"
+    save_file(tensors, str(path))
+    m.lora_engine.activate([(req("inverted", plain), 1.0)])
+    lora = merged_weights(m, scales)
+    m.lora_engine.activate([(req(path.stem, path), 1.0)])
+    want = {n: w * (scales[n] / torch.linalg.vector_norm(w.float(), dim=0 if axis == "column" else 1, keepdim=True))
+            for n, w in lora.items()}
+    assert_close(merged_weights(m, scales), want, f"kohya dora_scale per {axis}")
+    m.lora_engine.activate([])
+    assert sums(m) == base

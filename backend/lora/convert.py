@@ -16,11 +16,17 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import AdapterError
 from .formats import RawAdapter
 
 # the parts of one LoRA layer, as diffusers/peft name them
 PARTS = ("lora_A.weight", "lora_B.weight", "lora_B.bias")
+# DoRA's magnitude: peft's ``lora_magnitude_vector`` (out,), kohya / LyCORIS's ``dora_scale`` ((out, 1) or (1, in))
+DORA_SUFFIXES = (".lora_magnitude_vector", ".lora_magnitude_vector.weight", ".dora_scale")
+# the kinds of layer only a merge applies (no low-rank form to add per step), as an error names them
+MERGE_ONLY = {"loha": "LyCORIS LoHa", "lokr": "LyCORIS LoKr", "full": "LyCORIS full diff", "dora": "DoRA"}
 
 
 @dataclass
@@ -30,17 +36,17 @@ class LayerFactors:
     tensors: dict  # part -> tensor, part in PARTS (a LyCORIS layer: its own parts, lycoris.py)
     scaling: float  # lora_alpha / r for this module (1.0 when the file stores none)
     keys: dict  # part -> the key as it will be reported (component-prefixed, diffusers naming)
-    kind: str = "lora"  # or a LyCORIS kind: "loha", "lokr", "full" (merged only: backend/lora/lycoris.py)
+    kind: str = "lora"  # "dora" (a ``magnitude`` part too), or a LyCORIS kind: "loha", "lokr", "full"
     shape: tuple | None = None  # a LyCORIS layer's delta (out, in), set by lycoris.convert
 
     @property
     def bias_part(self) -> str:
         """The part added to the layer's bias: LoRA's ``lora_B.bias``, a full diff's ``diff_b``."""
-        return "lora_B.bias" if self.kind == "lora" else "diff_b"
+        return "lora_B.bias" if self.kind in ("lora", "dora") else "diff_b"
 
     def delta_shape(self) -> tuple[int, int]:
         """(out, in): the Linear weight's shape these factors make a delta of."""
-        if self.kind == "lora":
+        if self.kind in ("lora", "dora"):
             return int(self.tensors["lora_B.weight"].shape[0]), int(self.tensors["lora_A.weight"].shape[1])
         return self.shape
 
@@ -56,11 +62,18 @@ class ConvertedAdapter:
         return sum(len(f.tensors) for g in self.groups.values() for f in g.values()) + len(self.unmatched)
 
 
-def convert(raw: RawAdapter, pipeline_cls, default_component: str = "transformer") -> ConvertedAdapter:
-    """Factors of ``raw`` in diffusers naming, grouped by component."""
+def convert(raw: RawAdapter, pipeline_cls, default_component: str = "transformer",
+            denoisers: dict[str, torch.nn.Module] | None = None) -> ConvertedAdapter:
+    """Factors of ``raw`` in diffusers naming, grouped by component. DoRA magnitudes are bound to their
+    layers by the denoisers' own names (``denoisers``; without them a DoRA file is refused)."""
     rec = raw.record
     tensors = dict(raw.tensors)
-    _refuse_dora(rec, tensors)
+    magnitudes = {k: tensors.pop(k) for k in list(tensors) if k.endswith(DORA_SUFFIXES)}
+    if not magnitudes and (rec.peft_config or {}).get("use_dora"):
+        raise AdapterError(f"{rec.path}: use_dora=true in adapter_config.json but no lora_magnitude_vector keys",
+                           param="lora_path")
+    if magnitudes and denoisers is None:
+        _refuse_dora(rec, magnitudes)
     ignored: list[tuple[str, str]] = []
     unmatched: list[tuple[str, str]] = []
     configs: dict[str, dict] = {}
@@ -114,7 +127,29 @@ def convert(raw: RawAdapter, pipeline_cls, default_component: str = "transformer
         scaling = _scaling(configs.get(comp), module, r)
         groups.setdefault(comp, {})[module] = LayerFactors(
             tensors=found, scaling=scaling, keys={p: f"{comp}.{module}.{p}" for p in found})
+    if magnitudes:
+        _bind_magnitudes(magnitudes, groups, unmatched, ModuleNames(denoisers, default_component))
     return ConvertedAdapter(groups=groups, unmatched=unmatched, ignored=ignored)
+
+
+def _bind_magnitudes(magnitudes: dict, groups: dict, unmatched: list, names: "ModuleNames") -> None:
+    """Make each layer a DoRA magnitude names a ``dora`` layer: its LoRA factors plus the magnitude, kept
+    2-D as the norm it scales is taken: (out, 1) per output row (peft's vector, LyCORIS ``wd_on_out``),
+    (1, in) per input column (kohya / LyCORIS's default)."""
+    for key, m in magnitudes.items():
+        head = key[: -len(next(s for s in DORA_SUFFIXES if key.endswith(s)))]
+        where = names.locate(head)
+        if isinstance(where, str):
+            unmatched.append((key, where))
+            continue
+        comp, module = where
+        f = groups.get(comp, {}).get(module)
+        if f is None:
+            unmatched.append((key, "a DoRA magnitude with no LoRA factors on its layer"))
+            continue
+        f.kind = "dora"
+        f.tensors["magnitude"] = m.reshape(-1, 1) if m.dim() == 1 else m
+        f.keys["magnitude"] = key
 
 
 def _split_key(key: str):
@@ -281,3 +316,57 @@ def classify_wan_key(key: str) -> KeyTarget:
     if kind == "diff" and "norm" in original.rsplit(".", 1)[-1]:
         kind = "norm diff"
     return KeyTarget(key, kind, module, param, image)
+
+
+# -- module names as the layouts spell them ------------------------------------------------------------
+# module-name prefixes, after any component prefix (``transformer.``): peft dumps, ComfyUI, LyCORIS / kohya
+_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "lycoris_", "lora_unet_",
+             "lora_transformer_", "unet.")
+
+
+class ModuleNames:
+    """A key's module part -> (component, diffusers module path) of a Linear layer, from the denoisers'
+    own names: dotted as they are, with dots written as ``_`` (kohya, LyCORIS), or Wan's original names
+    (ComfyUI)."""
+
+    def __init__(self, denoisers: dict[str, torch.nn.Module], default: str):
+        self.denoisers = denoisers
+        self.default = default if default in denoisers or not denoisers else next(iter(denoisers))
+        self.components = sorted(denoisers, key=len, reverse=True)  # transformer_2 before transformer
+        self._maps: dict[str, tuple[set, dict]] = {}
+
+    def _names(self, comp: str) -> tuple[set, dict]:
+        if comp not in self._maps:
+            module = self.denoisers.get(comp) or self.denoisers.get(self.default)
+            dotted = {n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)} if module else set()
+            underscored: dict[str, list[str]] = {}
+            for n in dotted:
+                underscored.setdefault(n.replace(".", "_"), []).append(n)
+            self._maps[comp] = (dotted, underscored)
+        return self._maps[comp]
+
+    def locate(self, head: str):
+        """(component, module), or why the key names none (a string)."""
+        if head.startswith(("lora_te", "text_encoder")):
+            return "a text-encoder layer: only the denoisers' layers are read here"
+        name, comp = head, self.default
+        for c in self.components:
+            if name.startswith(c + "."):
+                comp, name = c, name[len(c) + 1:]
+                break
+        for prefix in _PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        dotted, underscored = self._names(comp)
+        if name in dotted:
+            return comp, name
+        hits = underscored.get(name, [])
+        if len(hits) == 1:
+            return comp, hits[0]
+        if hits:
+            return f"{name!r} could be any of {', '.join(sorted(hits)[:3])}"
+        original = wan_module(name)  # ComfyUI keeps Wan's original module names
+        if original in dotted:
+            return comp, original
+        return f"no Linear layer {name[:120]!r} in {comp}"

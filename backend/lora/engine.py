@@ -62,7 +62,7 @@ Identity = tuple  # (resolved weights file, sha256): one adapter, whatever it is
 class _DeviceFactors:
     """Factors ready to merge: in the weight's dtype on its device, with the adapter's own scaling.
     A LyCORIS layer (LoHa, LoKr, full diff: ``lycoris.py``) keeps its compact ``parts`` instead of
-    ``a``/``b``; its delta is built at merge time (``delta``)."""
+    ``a``/``b``, a DoRA layer its ``magnitude`` beside them; their deltas are built at merge time (``delta``)."""
 
     a: torch.Tensor | None
     b: torch.Tensor | None
@@ -72,9 +72,18 @@ class _DeviceFactors:
     kind: str = "lora"
     parts: dict | None = None  # a LyCORIS layer's parts (no ``a``/``b``)
 
-    def delta(self) -> torch.Tensor:
-        """A LyCORIS layer's delta in fp32 on the device, before its scale."""
-        return lycoris.delta(self.kind, self.parts)
+    def delta(self, w0: torch.Tensor | None = None) -> torch.Tensor:
+        """A merge-only layer's delta in fp32 on the device, before the request's weight: LyCORIS's before its
+        scaling too; DoRA's from the pristine weight ``w0`` (fp32), as peft merges it: the magnitude times
+        ``W0 + scaling * B @ A`` normalised per output row (a ``magnitude`` of (out, 1)) or per input column
+        ((1, in): kohya / LyCORIS), minus ``W0``. A weight s gives ``W0 + s * delta`` (ComfyUI's strength:
+        1 is peft's merge, 0 the base)."""
+        if self.kind != "dora":
+            return lycoris.delta(self.kind, self.parts)
+        m = self.parts["magnitude"].float()
+        w = torch.addmm(w0, self.b.float(), self.a.float(), alpha=self.scaling)
+        norm = torch.linalg.vector_norm(w, dim=1 if m.shape[1] == 1 else 0, keepdim=True)
+        return w * (m / norm) - w0
 
     @property
     def nbytes(self) -> int:
@@ -596,7 +605,9 @@ class LoRAEngine:
         for f, s, name in contributions:
             c = s * f.scaling
             if f.parts is not None:
-                if not math.isfinite(c) or not bool(torch.isfinite(f.delta() * c).all()):
+                tensors = [t for t in (f.a, f.b, *f.parts.values()) if t is not None]
+                ok = math.isfinite(c) and all(bool(torch.isfinite(t).all()) for t in tensors)
+                if not ok or f.kind != "dora" and not bool(torch.isfinite(f.delta() * c).all()):
                     bad.append(name)
                 continue
             delta_ok = math.isfinite(c) and bool(torch.isfinite(f.b.float() * c).all()) and \
@@ -642,6 +653,13 @@ class LoRAEngine:
                         device = self.factor_device or weight.device
                         dtype = self._compute.get((comp, module), weight.dtype)  # never fp8/GGUF storage
                         bias = f.tensors.get(f.bias_part)
+                        if f.kind == "dora":  # the factors and the magnitude: merged through the pristine weight
+                            factors[(comp, module)] = _DeviceFactors(
+                                a=f.tensors["lora_A.weight"].to(device, dtype).contiguous(),
+                                b=f.tensors["lora_B.weight"].to(device, dtype).contiguous(),
+                                bias=None if bias is None else bias.to(device, dtype), scaling=f.scaling,
+                                kind="dora", parts={"magnitude": f.tensors["magnitude"].to(device, dtype)})
+                            continue
                         if f.kind != "lora":  # LyCORIS: the compact parts, the delta built when merged
                             factors[(comp, module)] = _DeviceFactors(
                                 a=None, b=None, bias=None if bias is None else bias.to(device, dtype),
@@ -736,16 +754,17 @@ def _stacked(contributions, dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
 
 
 def _dense_merge(w0: torch.Tensor, contributions) -> torch.Tensor:
-    """pristine + every contribution in one fp32 buffer, for a layer with a LyCORIS delta among them (built
-    here from its compact parts on the device); the caller rounds it once into the weight's dtype."""
-    acc = w0.to(torch.float32, copy=True)
+    """pristine + every contribution in one fp32 buffer, for a layer with a merge-only delta among them (LyCORIS,
+    DoRA: built here from their parts on the device); the caller rounds it once into the weight's dtype."""
+    w0 = w0.to(torch.float32)
+    acc = w0.clone()
     lora = [c for c in contributions if c[0].parts is None]
     if lora:
         b, a, alpha = _stacked(lora, torch.float32)
         acc.addmm_(b.float(), a.float(), alpha=alpha)
     for f, s, _ in contributions:
-        if f.parts is not None:
-            acc.add_(f.delta(), alpha=s * f.scaling)
+        if f.parts is not None:  # a DoRA delta carries its own scaling (inside its norm)
+            acc.add_(f.delta(w0), alpha=s if f.kind == "dora" else s * f.scaling)
     return acc
 
 

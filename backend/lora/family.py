@@ -53,7 +53,7 @@ class LoRAFamily:
         default = next(iter(denoisers), "transformer")
         if is_lycoris(raw.tensors):  # LoHa / LoKr / full diffs: read against the denoisers' names
             return Converted(lycoris.convert(raw, denoisers, default))
-        return Converted(convert(raw, self.pipeline_cls, default_component=default))
+        return Converted(convert(raw, self.pipeline_cls, default_component=default, denoisers=denoisers))
 
     def fit_targets(self, denoisers: dict[str, torch.nn.Module], converted: Converted) -> dict[str, torch.nn.Module]:
         return denoisers

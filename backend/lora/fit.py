@@ -145,13 +145,16 @@ def _check(layers: dict[str, LayerFactors], linears: dict[str, torch.nn.Linear],
             why = f"no Linear layer {module!r} in {comp}"
             unmatched += [(f.keys[p], why) for p in f.tensors]
             continue
-        if f.kind == "lora":
+        if f.kind in ("lora", "dora"):
             a, b = f.tensors["lora_A.weight"], f.tensors["lora_B.weight"]
             r = a.shape[0]
             if tuple(a.shape) != (r, target.in_features):
                 mismatched.append(ShapeMismatch(f.keys["lora_A.weight"], tuple(a.shape), (r, target.in_features)))
             if tuple(b.shape) != (target.out_features, r):
                 mismatched.append(ShapeMismatch(f.keys["lora_B.weight"], tuple(b.shape), (target.out_features, r)))
+            m = f.tensors.get("magnitude")  # DoRA: one per output row, or one per input column
+            if m is not None and tuple(m.shape) not in ((target.out_features, 1), (1, target.in_features)):
+                mismatched.append(ShapeMismatch(f.keys["magnitude"], tuple(m.shape), (target.out_features, 1)))
         elif f.delta_shape() != (target.out_features, target.in_features):  # LyCORIS: the delta its parts make
             first = next(p for p in f.tensors if p != f.bias_part)
             mismatched.append(ShapeMismatch(f"{f.keys[first]} ({f.kind} delta)", f.delta_shape(),

@@ -42,14 +42,12 @@ import math
 
 import torch
 
-from .convert import ConvertedAdapter, LayerFactors, _refuse_dora
+from .convert import ConvertedAdapter, LayerFactors, ModuleNames, _refuse_dora
 from .formats import FULL, LOHA, LOKR, TUCKER, RawAdapter
 
 KIND_OF = {**{p: "loha" for p in LOHA}, **{p: "lokr" for p in LOKR}, **{p: "full" for p in FULL}}
 NAMES = {"loha": "LoHa", "lokr": "LoKr", "full": "full diff"}
-# module-name prefixes of the layouts above, after any component prefix (``transformer.``)
-_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "lycoris_", "lora_unet_",
-             "lora_transformer_", "unet.")
+
 
 
 def convert(raw: RawAdapter, denoisers: dict[str, torch.nn.Module], default_component: str) -> ConvertedAdapter:
@@ -58,7 +56,7 @@ def convert(raw: RawAdapter, denoisers: dict[str, torch.nn.Module], default_comp
     disagree in shape are reported unmatched (the fit then refuses the adapter, naming them)."""
     rec = raw.record
     _refuse_dora(rec, raw.tensors)
-    names = _Names(denoisers, default_component)
+    names = ModuleNames(denoisers, default_component)
     parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     keys: dict[tuple[str, str], dict[str, str]] = {}
     alphas: dict[tuple[str, str], tuple[str, float]] = {}
@@ -190,54 +188,3 @@ def _scaling(kind: str, tensors: dict, alpha: float | None, config: dict | None,
         return alpha / tensors["hada_w1_b"].shape[0]
     dim = next((tensors[p].shape[0] for p in ("lokr_w2_b", "lokr_w1_b") if p in tensors), None)
     return 1.0 if dim is None else alpha / dim
-
-
-class _Names:
-    """A key's module part -> (component, diffusers module path) of a Linear layer, from the denoisers'
-    own names: dotted as they are, with dots written as ``_`` (kohya, LyCORIS), or Wan's original names
-    (ComfyUI)."""
-
-    def __init__(self, denoisers: dict[str, torch.nn.Module], default: str):
-        self.denoisers = denoisers
-        self.default = default if default in denoisers or not denoisers else next(iter(denoisers))
-        self.components = sorted(denoisers, key=len, reverse=True)  # transformer_2 before transformer
-        self._maps: dict[str, tuple[set, dict]] = {}
-
-    def _names(self, comp: str) -> tuple[set, dict]:
-        if comp not in self._maps:
-            module = self.denoisers.get(comp) or self.denoisers.get(self.default)
-            dotted = {n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)} if module else set()
-            underscored: dict[str, list[str]] = {}
-            for n in dotted:
-                underscored.setdefault(n.replace(".", "_"), []).append(n)
-            self._maps[comp] = (dotted, underscored)
-        return self._maps[comp]
-
-    def locate(self, head: str):
-        """(component, module), or why the key names none (a string)."""
-        if head.startswith(("lora_te", "text_encoder")):
-            return "a text-encoder layer: LyCORIS adapters are applied to the denoisers only"
-        name, comp = head, self.default
-        for c in self.components:
-            if name.startswith(c + "."):
-                comp, name = c, name[len(c) + 1:]
-                break
-        for prefix in _PREFIXES:
-            if name.startswith(prefix):
-                name = name[len(prefix):]
-                break
-        dotted, underscored = self._names(comp)
-        if name in dotted:
-            return comp, name
-        hits = underscored.get(name, [])
-        if len(hits) == 1:
-            return comp, hits[0]
-        if hits:
-            return f"{name!r} could be any of {', '.join(sorted(hits)[:3])}"
-        from .convert import wan_module  # ComfyUI keeps Wan's original module names
-
-        original = wan_module(name)
-        if original in dotted:
-            return comp, original
-        return f"no Linear layer {name[:120]!r} in {comp}"
-

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LayerWriteFailed as _LayerWriteFailed
-from .lycoris import NAMES
+from .convert import MERGE_ONLY
 from .policy import (BATCH_EFF_DEFAULTS, DEVICE_DEFAULTS, BatchInputs, Decision, PolicyInputs, check_mode, decide,
                      decide_batch)
 
@@ -321,7 +321,7 @@ class UnfusedServing:
         restore_bytes = sum(self._weight_bytes(t) for t in engine._merged)
         lowrank = 0
         per_comp: dict[str, int] = {}
-        merge_only: dict[str, str] = {}  # adapter -> its LyCORIS kind (no low-rank form: merged only)
+        merge_only: dict[str, str] = {}  # adapter -> its kind without a low-rank form (LyCORIS, DoRA): merged only
         for (comp, module), items in plan.items():
             w = engine._params[comp][f"{module}.weight"]
             rank = 0
@@ -340,7 +340,7 @@ class UnfusedServing:
                             hook_s=float(cfg["hook_s"]), forwards=self.forwards,
                             queued_same=int(queued_same or 0), repeats=self._repeats, scheduled=scheduled,
                             quantized=self.quantized,
-                            merge_only=", ".join(f"adapter {n!r} (LyCORIS {NAMES[k]})" for n, k in merge_only.items()))
+                            merge_only=", ".join(f"adapter {n!r} ({MERGE_ONLY[k]})" for n, k in merge_only.items()))
 
     def _weight_bytes(self, target) -> int:
         comp, module = target
