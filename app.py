@@ -256,10 +256,11 @@ def cmd_generate(args) -> int:
 
             raise InvalidParameter("prompt: <lora:...> tags need --lora-backend peft", param="prompt")
         from backend.lora.request import LoRARequest
+        from backend.lora.sidecar import preferred_weight  # <lora:NAME>: its preferred weight, else 1.0
 
         for a, path in tagged:
             fields.setdefault("lora_request", []).append(LoRARequest(a["name"], resolver.int_id(path), str(path)))
-            fields.setdefault("lora_scale", []).append(a["scale"])
+            fields.setdefault("lora_scale", []).append(a["scale"] if "scale" in a else preferred_weight(path))
     bars = []
 
     def on_step(step, total):

@@ -229,3 +229,28 @@ def test_a_lycoris_loha_from_the_library_is_listed_applied_and_comes_off(server,
         assert r.status_code == 400 and "'loha-style' (LyCORIS LoHa)" in r.json()["error"]["message"], r.text
     finally:
         path.unlink()  # the library is shared by the whole test session
+
+
+def test_an_adapters_preferred_weight_is_what_a_request_naming_no_weight_gets(server, data_dir):
+    """#28 item 4: A1111's sidecar ``inky.json`` beside ``inky.safetensors`` says "preferred weight" 0.5: a
+    ``lora`` object without a scale and a ``<lora:inky>`` tag run at 0.5 (not 1.0); the listing shows it with
+    the activation and negative text; a weight given wins."""
+    import json
+
+    _, url = server
+    path = data_dir / "adapters" / "inky.safetensors"
+    side = path.with_suffix(".json")
+    path.write_bytes((data_dir / "demo" / "adapters" / INK).read_bytes())
+    side.write_text(json.dumps({"preferred weight": 0.5, "activation text": "inked lines", "negative text": "blur",
+                                "sd version": "Other"}))
+    try:
+        row = next(a for a in httpx.get(f"{url}/v1/loras", timeout=120).json()["library"] if a["name"] == "inky")
+        assert (row["preferred_weight"], row["activation_text"], row["negative_text"]) == (0.5, "inked lines", "blur")
+        half, full = _image(url, lora={"name": "inky", "scale": 0.5}), _image(url, lora={"name": "inky", "scale": 1.0})
+        assert not np.array_equal(half, full)
+        assert np.array_equal(_image(url, lora={"name": "inky"}), half)
+        assert np.array_equal(_image(url, prompt=f"{FAST['prompt']} <lora:inky>"), half)
+        assert np.array_equal(_image(url, prompt=f"{FAST['prompt']} <lora:inky:1>"), full)
+    finally:
+        path.unlink()
+        side.unlink()

@@ -10,7 +10,7 @@ from backend.lora import prompt_tags
 def test_tags_leave_the_text_and_become_adapters():
     text, adapters = prompt_tags.split("a cat, <lora:ink:0.8> on a mat <lora:film>")
     assert text == "a cat, on a mat"
-    assert adapters == [{"name": "ink", "scale": 0.8}, {"name": "film", "scale": 1.0}]
+    assert adapters == [{"name": "ink", "scale": 0.8}, {"name": "film"}]  # no weight: the adapter's preferred one
     assert prompt_tags.split("<LORA:x:-1.5>") == ("", [{"name": "x", "scale": -1.5}])
     assert prompt_tags.split("no tags here") == ("no tags here", [])
 

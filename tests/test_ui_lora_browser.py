@@ -19,7 +19,7 @@ from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from ui_browser import (all_jobs, browser, expect, fill, generate, needs_chromium, open_page, page,  # noqa: F401
-                        shot)
+                        reload, shot)
 from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
 
 pytestmark = needs_chromium
@@ -225,3 +225,21 @@ def test_make_preview_caches_a_generated_picture(browser, page, library):  # noq
         shot(again, "lora-browser-preview")
     finally:
         again.close()
+
+
+def test_a_sidecars_preferred_weight_activation_and_negative_text_are_on_the_card_and_in_the_stack(
+        page, library, lora_files):  # noqa: F811
+    """#28 item 4: A1111's ``<name>.json`` beside the file: the card shows the preferred weight, the activation
+    text first among its trigger words and the negative text; Add to stack enters the preferred weight."""
+    library.add_adapter(lora_files["other"], "sidecar-ink")
+    (library.data_dir / "adapters" / "sidecar-ink.json").write_text(json.dumps(
+        {"preferred weight": 0.6, "activation text": "inked lines", "negative text": "blurry, smudged"}))
+    reload(page)
+    open_browser(page)
+    ink = card(page, "sidecar-ink")
+    expect(ink.locator(".ls-nums")).to_contain_text("weight 0.6")
+    expect(ink.locator(".ls-trigger").first).to_have_text("inked lines")
+    expect(ink.locator(".ls-negative")).to_contain_text("negative: blurry, smudged")
+    ink.locator(".ls-add").click()
+    expect(page.locator("#stack-name-0 input, #stack-name-0 textarea").first).to_have_value("sidecar-ink")
+    expect(page.locator("#stack-scale-0 input[type=number]")).to_have_value("0.6")

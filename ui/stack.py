@@ -135,6 +135,16 @@ def stack_weights(stack: list[dict], two_stage: bool) -> list[dict]:
 
 
 
+def preferred_weight(studio, name: str) -> float:
+    """The weight an adapter enters the stack with: its preferred one (A1111's sidecar), else 1.0."""
+    try:
+        row = next((a for a in studio.adapters() if a.get("name") == name), {})
+    except Exception:  # noqa: BLE001 - the library unreadable now: the usual weight
+        row = {}
+    weight = row.get("preferred_weight")
+    return 1.0 if weight is None else float(weight)
+
+
 def wire(studio, t, add) -> None:
     """The stack's events: Add (``t.add_adapter``, reused by the LoRA browser), each row's weights,
     per-transformer toggle, up, down and remove."""
@@ -147,7 +157,8 @@ def wire(studio, t, add) -> None:
                     error_html(f"the stack holds at most {MAX_LORAS} adapters")]
         if any(e["name"] == name for e in stack):
             return [stack, *render_stack(stack, two_stage_of(studio, model_id)), error_html(f"{name} is already in the stack")]
-        stack = stack + [{"name": name, "scale": 1.0, "split": False, "high": 1.0, "low": 1.0}]
+        weight = preferred_weight(studio, name)
+        stack = stack + [{"name": name, "scale": weight, "split": False, "high": weight, "low": weight}]
         return [stack, *render_stack(stack, two_stage_of(studio, model_id)), ""]
 
     t.add_adapter = add_adapter

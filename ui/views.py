@@ -472,7 +472,10 @@ def card_html(c: dict) -> str:
                 if fam else "does not fit the loaded model")
     nums = " · ".join(x for x in (f"rank {c['rank']}" if c.get("rank") not in (None, "-") else "",
                                   f"alpha {c['alpha']}" if c.get("alpha") not in (None, "-") else "",
-                                  str(c.get("size") or ""), str(c.get("format") or "")) if x and x != "-")
+                                  str(c.get("size") or ""), str(c.get("format") or ""),
+                                  f"weight {c['preferred_weight']:g}" if c.get("preferred_weight") is not None
+                                  else "") if x and x != "-")
+    negative = c.get("negative_text") or ""
     uses = int(c.get("uses") or 0)
     triggers = "".join(f'<button type="button" class="ls-trigger" data-trigger="{_attr(t)}" '
                        f'title="insert into the prompt">{html.escape(t)}</button>' for t in c.get("triggers") or [])
@@ -497,6 +500,8 @@ def card_html(c: dict) -> str:
             + f'<div class="ls-family">{html.escape(made)}</div><div class="ls-nums">{html.escape(nums)}</div>'
             + (f'<div class="ls-uses">used in {uses} job{"s" if uses != 1 else ""}</div>' if uses else "")
             + (f'<div class="ls-triggers">{triggers}</div>' if triggers else "")
+            + (f'<div class="ls-negative" title="{_attr(negative)}">negative: {html.escape(short(negative, 120))}</div>'
+               if negative else "")
             + (f'<div class="ls-reason" title="{_attr(reason)}">{html.escape(short(reason, 160))}</div>'
                if reason else "")
             + f'{action}</div></div>')

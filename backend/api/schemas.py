@@ -42,8 +42,9 @@ class LoraSpec(BaseModel):
     name: str | None = Field(None, validation_alias=AliasChoices("name", "lora_name", "adapter"))
     path: str | None = Field(None, validation_alias=AliasChoices("path", "local_path", "lora_path"))
     # a number, a step schedule, per expert, per-block weights (docs/lora.md): checked when the
-    # service resolves the adapters, by backend/lora/schedule.py, naming lora[i].scale and the bad part
-    scale: Any = Field(1.0, validation_alias=AliasChoices("scale", "lora_scale"))
+    # service resolves the adapters, by backend/lora/schedule.py, naming lora[i].scale and the bad part;
+    # none given: the adapter's preferred weight (its A1111 sidecar, backend/lora/sidecar.py), else 1.0
+    scale: Any = Field(None, validation_alias=AliasChoices("scale", "lora_scale"))
     int_id: int | None = Field(None, validation_alias=AliasChoices("int_id", "lora_int_id"))
 
     def as_request(self) -> dict:

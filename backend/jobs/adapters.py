@@ -144,7 +144,8 @@ class AdapterResolver:
             where = f"lora[{i}]" if len(specs) > 1 else "lora"
             if not isinstance(spec, dict):
                 raise InvalidParameter(f"{where} must be an object with a name and/or path", param=where)
-            scale = _scale(spec.get("scale", 1.0), f"{where}.scale")  # first: pure, before any file is looked at
+            given = spec.get("scale")
+            scale = None if given is None else _scale(given, f"{where}.scale")  # pure, before any file is looked at
             name, path = spec.get("name"), spec.get("path")
             if not name and not path:
                 raise InvalidParameter(f"{where} needs a name or a path", param=f"{where}.name")
@@ -152,6 +153,10 @@ class AdapterResolver:
             if not name:
                 name = real.name if real.is_dir() else real.stem
             _check_file(real, f"{where}.path" if path else f"{where}.name")
+            if scale is None:  # no weight named: the adapter's preferred one (A1111's sidecar), else 1.0
+                from ..lora.sidecar import preferred_weight
+
+                scale = preferred_weight(real)
             int_id = spec.get("int_id")
             if int_id is None:
                 int_id = self.int_id(real)

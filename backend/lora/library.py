@@ -20,6 +20,7 @@ import torch
 from .. import settings
 from ..errors import StudioError
 from .formats import PEFT_CONFIG, PICKLE_SUFFIXES, AdapterRecord, inspect
+from . import sidecar
 
 
 @dataclass
@@ -227,7 +228,8 @@ def library_rows(model: str | None = None, adapter_dirs=None, data_dir=None) -> 
                "sha256": rec.sha256 if rec else "", "base_model": (rec.base_model or "") if rec else "",
                "targets": target_kinds(rec.target_modules) if rec else [],
                "usable": entry.error is None, "error": entry.error,
-               "demo": demo_root is not None and Path(entry.path).is_relative_to(demo_root)}
+               "demo": demo_root is not None and Path(entry.path).is_relative_to(demo_root),
+               **sidecar.read(entry.path)}  # A1111's <name>.json: preferred weight, activation and negative text
         if entry.error:
             row.update(fit=f"refused: {entry.error}", fits=False)
         elif skeleton is not None:

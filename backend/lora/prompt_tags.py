@@ -2,7 +2,7 @@
 and the CLI.
 
 The tags are taken out of the text (the text encoder never sees them) and become adapter
-entries ``{"name", "scale"}``; the weight is optional (1.0). Pure text handling: no torch.
+entries ``{"name", "scale"}``; the weight is optional (none: the adapter's preferred weight, else 1.0). Pure text handling: no torch.
 """
 from __future__ import annotations
 
@@ -32,8 +32,11 @@ def split(prompt: str) -> tuple[str, list[dict]]:
             raise InvalidParameter(f"prompt: {match.group(0)!r} names no adapter (write <lora:NAME:WEIGHT>)",
                                    param="prompt")
         weight = rest.split(":")[0].strip() if rest else ""
+        if not weight:  # <lora:NAME>: the adapter's preferred weight (its A1111 sidecar), else 1.0
+            adapters.append({"name": name})
+            continue
         try:
-            scale = float(weight) if weight else 1.0
+            scale = float(weight)
         except ValueError:
             raise InvalidParameter(f"prompt: the weight in {match.group(0)!r} is not a number",
                                    param="prompt") from None

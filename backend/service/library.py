@@ -87,13 +87,17 @@ class AdapterLibrary:
                 family, source = cards.family_of(model), "fit"
             if family is None:
                 family, source = cards.family_of(row["name"]), "name"
+            triggers = card["triggers"]
+            if row.get("activation_text"):  # A1111's activation text first (its sidecar), then the header's words
+                triggers = [row["activation_text"], *(t for t in triggers if t != row["activation_text"])]
             out.append({"name": row["name"], "format": row["format"], "rank": row["rank"], "alpha": row["alpha"],
                         "size": row["size"], "size_bytes": row["size_bytes"], "mtime": card["mtime"],
                         "usable": bool(row.get("usable")), "error": row.get("error"), "fits": fits,
                         "fit": row["fit"]["summary"], "model": model, "model_family": model_family,
                         "family": family, "family_source": source if family else None,
                         "base_model": cards.clean_text(hint or ""), "title": card["title"],
-                        "description": card["description"], "triggers": card["triggers"], "thumbnail": thumb,
+                        "description": card["description"], "triggers": triggers, "thumbnail": thumb,
+                        "preferred_weight": row.get("preferred_weight"), "negative_text": row.get("negative_text", ""),
                         "thumbnail_source": made or ("file" if thumb else None),
                         "preview_pending": bool(sha) and sha in pending,
                         "thumbnail_note": card["thumbnail_note"], "pinned": row.get("pinned", False),
