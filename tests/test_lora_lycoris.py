@@ -39,18 +39,17 @@ def sums(m) -> dict:
     return {c: module_checksum(x) for c, x in m.denoisers().items()}
 
 
-def peft_adapter(base, kind: str, folder, seed=0, **config):
-    """A peft LoHa / LoKr adapter on a copy of ``base`` (fp32), its parameters random (peft starts them
-    at a zero delta), saved as a PEFT folder; returns (folder, {module: weight merged by peft})."""
-    from peft import LoHaConfig, LoKrConfig, get_peft_model_state_dict, inject_adapter_in_model
-    from peft.tuners.lycoris_utils import LycorisLayer
+def peft_saved(base, cfg, folder, randomize, seed):
+    """peft's adapter ``cfg`` on a copy of ``base`` (fp32), ``randomize(name, param, generator)`` on its
+    parameters (peft starts them at a zero delta), saved as a PEFT folder; returns (folder, {module: weight
+    merged by peft's own ``merge()``})."""
+    from peft import get_peft_model_state_dict, inject_adapter_in_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
-    cfg = (LoHaConfig if kind == "loha" else LoKrConfig)(target_modules=TARGETS, **config)
     model = inject_adapter_in_model(cfg, copy.deepcopy(base).float())
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if "hada_" in name or "lokr_" in name:
-            p.data = torch.randn(p.shape, generator=gen) * 0.3
+        randomize(name, p, gen)
     state = get_peft_model_state_dict(model)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
@@ -58,10 +57,22 @@ def peft_adapter(base, kind: str, folder, seed=0, **config):
     (folder / "adapter_config.json").write_text(json.dumps(cfg.to_dict(), default=list))
     merged = {}
     for name, module in model.named_modules():
-        if isinstance(module, LycorisLayer):
+        if isinstance(module, BaseTunerLayer):
             module.merge()
             merged[name] = module.get_base_layer().weight.detach().clone()
     return folder, merged
+
+
+def peft_adapter(base, kind: str, folder, seed=0, **config):
+    """A peft LoHa / LoKr adapter with random parameters, saved, and what peft merges it to."""
+    from peft import LoHaConfig, LoKrConfig
+
+    def randomize(name, p, gen):
+        if "hada_" in name or "lokr_" in name:
+            p.data = torch.randn(p.shape, generator=gen) * 0.3
+
+    cfg = (LoHaConfig if kind == "loha" else LoKrConfig)(target_modules=TARGETS, **config)
+    return peft_saved(base, cfg, folder, randomize, seed)
 
 
 def merged_weights(m, names) -> dict:
@@ -233,31 +244,18 @@ def test_a_broken_lycoris_file_is_refused_naming_the_key_and_the_model_is_unchan
 
 # -- DoRA (#28 item 2) ---------------------------------------------------------------------------------------
 def peft_dora(base, folder, seed=2):
-    """A peft DoRA adapter (LoraConfig(use_dora=True)) on a copy of ``base``: random factors, magnitudes off
-    the base norms, saved as a PEFT folder; returns (folder, {module: weight merged by peft})."""
-    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
-    from peft.tuners.lora import LoraLayer
+    """A peft DoRA adapter (LoraConfig(use_dora=True)): random factors, magnitudes off the base norms, saved,
+    and what peft merges it to."""
+    from peft import LoraConfig
 
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_dora=True)
-    model = inject_adapter_in_model(cfg, copy.deepcopy(base).float())
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
+    def randomize(name, p, gen):
         if "lora_A" in name or "lora_B" in name:
             p.data = torch.randn(p.shape, generator=gen) * 0.2
         elif "lora_magnitude_vector" in name:
             p.data = p.data * (1 + 0.3 * torch.randn(p.shape, generator=gen))
-    state = get_peft_model_state_dict(model)
-    assert any(k.endswith("lora_magnitude_vector") for k in state)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
-              str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps(cfg.to_dict(), default=list))
-    merged = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and module.lora_A:
-            module.merge()
-            merged[name] = module.get_base_layer().weight.detach().clone()
-    return folder, merged
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_dora=True)
+    return peft_saved(base, cfg, folder, randomize, seed)
 
 
 def test_peft_dora_merges_as_peft_merges_it_and_a_weight_is_comfyuis_strength(managers, tmp_path):
