@@ -16,7 +16,7 @@ import sys
 
 from backend.families import DEFAULT_MODEL, task_types  # plain data: no torch imported here
 
-COMMANDS = ("serve", "generate", "adapters", "presets", "ray-up")
+COMMANDS = ("serve", "generate", "adapters", "presets", "ray-up", "export-lora")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -192,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     presets = sub.add_parser("presets", help="list distill presets and which files are present")
     _common(presets)
+
+    export = sub.add_parser("export-lora", help="write a stack of adapters as one LoRA file (exact; diffusers layout)")
+    export.add_argument("adapters", nargs="+", metavar="NAME[:WEIGHT]",
+                        help="library names or adapter files, each with an optional weight (default: its "
+                             "preferred weight, else 1.0), in stack order")
+    export.add_argument("--model", default=DEFAULT_MODEL, help="the model the stack is for (default: %(default)s)")
+    export.add_argument("--output", "-o", required=True, metavar="FILE.safetensors", help="the file to write")
+    _common(export)
     return parser
 
 
@@ -374,6 +382,36 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_export_lora(args) -> int:
+    from pathlib import Path
+
+    from backend.errors import InvalidParameter
+    from backend.jobs.adapters import AdapterResolver
+    from backend.lora.export import export_stack
+
+    out = Path(args.output).expanduser()
+    if out.suffix.lower() != ".safetensors":
+        raise InvalidParameter(f"--output {args.output}: a LoRA is written as a .safetensors file", param="output")
+    resolver = AdapterResolver(args.adapter_dir, args.data_dir, model=args.model)
+    specs = []
+    for item in args.adapters:
+        ref, _, weight = item.rpartition(":")
+        try:
+            spec = {"scale": float(weight)} if ref else {}
+        except ValueError:
+            ref, spec = item, {}
+        ref = ref or item
+        if Path(ref).expanduser().exists():  # a file the operator names, as --lora-path takes it
+            spec["name"] = resolver.register_start_file(ref).name
+        else:
+            spec["name"] = ref
+        specs.append(spec)
+    written = export_stack(resolver.resolve(specs), args.model, out, data_dir=args.data_dir)
+    print(f"wrote {written['path']}: {written['layers']} layers, rank up to {written['rank']}, from "
+          + " + ".join(f"{s['name']} x{s['scale']}" for s in written["from"]))
+    return 0
+
+
 def cmd_ray_up(args) -> int:
     from backend.engines.ray_engine import ray_up
 
@@ -389,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     from backend.errors import StudioError
 
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "adapters": cmd_adapters, "presets": cmd_presets,
-                "ray-up": cmd_ray_up}
+                "ray-up": cmd_ray_up, "export-lora": cmd_export_lora}
     try:
         return handlers[args.command](args)
     except StudioError as exc:

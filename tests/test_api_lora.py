@@ -254,3 +254,24 @@ def test_an_adapters_preferred_weight_is_what_a_request_naming_no_weight_gets(se
     finally:
         path.unlink()
         side.unlink()
+
+
+def test_a_stack_exported_over_http_draws_what_the_stack_draws(server, data_dir):
+    """#28 item 5: POST /v1/loras/export writes the stack as one LoRA into the library under a plain name; the
+    exported adapter draws the stack's image exactly; a taken name or a path as a name is refused."""
+    _, url = server
+    stack = [{"name": "demo-inverted", "scale": 0.7}, {"name": "demo-outline", "scale": -1.3}]
+    r = httpx.post(f"{url}/v1/loras/export", json={"lora": stack, "name": "ink-film"}, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    try:
+        assert out["adapter"]["name"] == "ink-film" and out["adapter"]["fit"]["ok"]
+        assert out["path"] == str(data_dir / "adapters" / "ink-film.safetensors")
+        assert np.array_equal(_image(url, lora={"name": "ink-film"}), _image(url, lora=stack))
+        again = httpx.post(f"{url}/v1/loras/export", json={"lora": stack, "name": "ink-film"}, timeout=120)
+        assert again.status_code == 400 and "already exists" in again.json()["error"]["message"]
+        bad = httpx.post(f"{url}/v1/loras/export", json={"lora": stack, "name": "../../escape"}, timeout=120)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "name"
+        assert not (data_dir / "escape.safetensors").exists()
+    finally:
+        (data_dir / "adapters" / "ink-film.safetensors").unlink()

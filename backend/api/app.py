@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import BodyTooLarge, BodyTooSlow, InvalidParameter, StorageFull, StudioError, Timeout, storage_full
 from ..service import job_error
 from .auth import AuthGate, Credentials, GateConfig
-from .schemas import ChatRequest, GenerationRequest, LoadAdapterRequest, UnloadAdapterRequest, error_body
+from .schemas import (ChatRequest, ExportAdapterRequest, GenerationRequest, LoadAdapterRequest, UnloadAdapterRequest,
+                      error_body)
 from .server import CLIENT_TIMEOUT_S
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -250,6 +251,12 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
     @v1.get("/loras")
     def loras():
         return {"object": "list", "data": studio.loaded_adapters(), "library": studio.adapters()}
+
+    @v1.post("/loras/export")
+    def export_lora(body: ExportAdapterRequest):
+        """A stack (the ``lora`` list, weights as in a generation request) as one LoRA file in the library,
+        under ``name`` (a plain file name: nothing the client sends decides where else it is written)."""
+        return studio.export_adapter(body.adapters(), body.name)
 
     @v1.post("/load_lora_adapter")
     def load_lora(body: LoadAdapterRequest):

@@ -145,6 +145,17 @@ class LoadAdapterRequest(_Text):
     lora_path: str = Field(min_length=1)
 
 
+class ExportAdapterRequest(_Text):
+    """``POST /v1/loras/export``: a stack written as one LoRA into the library under ``name``."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora: LoraSpec | list[LoraSpec]
+    name: str = Field(min_length=1)
+
+    def adapters(self) -> list[dict]:
+        return [s.as_request() for s in (self.lora if isinstance(self.lora, list) else [self.lora])]
+
+
 class UnloadAdapterRequest(_Text):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)

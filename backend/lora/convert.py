@@ -337,8 +337,11 @@ class ModuleNames:
 
     def _names(self, comp: str) -> tuple[set, dict]:
         if comp not in self._maps:
-            module = self.denoisers.get(comp) or self.denoisers.get(self.default)
-            dotted = {n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)} if module else set()
+            module = self.denoisers.get(comp)
+            if module is None:
+                module = self.denoisers.get(self.default)
+            dotted = set() if module is None else \
+                {n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
             underscored: dict[str, list[str]] = {}
             for n in dotted:
                 underscored.setdefault(n.replace(".", "_"), []).append(n)

@@ -70,7 +70,7 @@ class _DeviceFactors:
     scaling: float
     bound: float = math.inf  # r * max|B| * max|A| (+ max|bias|): no element of B @ A is larger
     kind: str = "lora"
-    parts: dict | None = None  # a LyCORIS layer's parts (no ``a``/``b``)
+    parts: dict | None = None  # a LyCORIS layer's parts (no ``a``/``b``), a DoRA layer's ``magnitude``
 
     def delta(self, w0: torch.Tensor | None = None) -> torch.Tensor:
         """A merge-only layer's delta in fp32 on the device, before the request's weight: LyCORIS's before its
@@ -559,7 +559,7 @@ class LoRAEngine:
             elif all(f.parts is None for f, _, _ in contributions):
                 b, a, alpha = _stacked(contributions, weight.dtype)
                 torch.addmm(w0, b, a, alpha=alpha, out=weight.data)
-            else:  # a LyCORIS layer among them: built in the fp32 buffer that sums everything
+            else:  # a LyCORIS or DoRA layer among them: built in the fp32 buffer that sums everything
                 weight.data.copy_(_dense_merge(w0, contributions))
             key = (comp, b_name)
             if key in self.pristine:
@@ -739,8 +739,8 @@ def _stacked(contributions, dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(B, A, alpha) for one addmm: a single adapter as stored with its scale as alpha; several
     concatenated along the rank, each B_i scaled by c_i in fp32 and rounded once to ``dtype``
     (or as stored, with a common alpha, when all share one scale)."""
-    if any(f.parts is not None for f, _, _ in contributions):  # never: the policy keeps LyCORIS sets merged
-        raise AdapterError("a LyCORIS layer has no low-rank factors: it is applied by merge only",
+    if any(f.parts is not None for f, _, _ in contributions):  # never: the policy keeps these sets merged
+        raise AdapterError("a LyCORIS or DoRA layer has no low-rank form: it is applied by merge only",
                            param="lora_mode")
     coeffs = [s * f.scaling for f, s, _ in contributions]
     if len(contributions) == 1:

@@ -154,6 +154,9 @@ class Studio:
     def delete_adapter(self, name: str) -> dict:
         return self.library.delete_adapter(name)
 
+    def export_adapter(self, specs: list[dict], name: str) -> dict:
+        return self.library.export_adapter(specs, name)
+
     def pin(self, name: str, pinned: bool = True) -> dict:
         return self.library.pin(name, pinned)
 

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import AdapterNotFound, InvalidParameter, PathNotAllowed, StudioError
+from ..limits import check_request
 from .core import Core
 from .previews import Previews
 
@@ -176,6 +177,22 @@ class AdapterLibrary:
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         return self.adapter_detail(name)
+
+    def export_adapter(self, specs: list[dict], name: str) -> dict:
+        """A stack (``[{"name" or "path", "scale"}]``, resolved as a request's) written exactly as one LoRA file
+        into the library root as ``<name>.safetensors`` (``backend/lora/export.py``); returns the new row and
+        what was written."""
+        from ..jobs.adapters import check_adapter_name
+        from ..lora.export import export_stack
+
+        name = check_adapter_name(name, "name")
+        check_request(self.core.limits, None, {}, {}, specs)  # --max-adapters, before any file is read
+        target = self.core.resolver.roots[0] / f"{name}.safetensors"
+        if os.path.lexists(target) or name in {r["name"] for r in self.adapters()}:
+            raise InvalidParameter(f"an adapter named {name!r} already exists in the library", param="name")
+        written = export_stack(self.core.resolver.resolve(specs), self.core.current_model(), target,
+                               data_dir=self.core.data_dir, title=name)
+        return {"adapter": self.adapter_detail(name), **written}
 
     def delete_adapter(self, name: str) -> dict:
         row = self.adapter_detail(name)

@@ -1,0 +1,76 @@
+"""A stack exported as one LoRA file (#28 item 5): merged at weight 1 it is the stack merged, bit for bit in
+fp32, from the library API, the CLI and (tests/test_api_lora.py) HTTP; it says where it came from; what cannot
+fold into a file is refused by name."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import app
+from backend.errors import InvalidParameter
+from backend.jobs.adapters import AdapterResolver
+from backend.lora.export import export_stack
+from backend.lora.request import LoRARequest
+
+MODEL = "demo:qwen-image"
+STACK = [{"name": "demo-inverted", "scale": 0.7}, {"name": "demo-outline", "scale": -1.3}]
+_IDS = itertools.count(2000)
+
+
+def weights(m) -> dict:
+    return {k: v.detach().clone() for k, v in m.denoisers()["transformer"].state_dict().items()}
+
+
+def test_the_exported_file_merges_to_the_stack_bit_for_bit(managers, library, data_dir, tmp_path):
+    m = managers(MODEL)
+    resolver = AdapterResolver([], data_dir, model=MODEL)
+    out = tmp_path / "ink-film.safetensors"
+    written = export_stack(resolver.resolve(STACK), MODEL, out, data_dir=data_dir, title="ink-film")
+    assert written["layers"] > 0 and [s["name"] for s in written["from"]] == ["demo-inverted", "demo-outline"]
+    engine = m.lora_engine
+    stack = [(LoRARequest(a.name, next(_IDS), a.path), a.scale) for a in resolver.resolve(STACK)]
+    engine.activate(stack)
+    want = weights(m)
+    engine.activate([(LoRARequest("ink-film", next(_IDS), str(out)), 1.0)])
+    got = weights(m)
+    changed = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not changed, changed[:5]
+    engine.activate([])
+    with safe_open(str(out), "pt") as f:  # the file says where it came from
+        meta = f.metadata()
+    assert meta["modelspec.title"] == "ink-film" and "demo-inverted x0.7 + demo-outline x-1.3" in \
+        meta["modelspec.description"]
+    assert [s["scale"] for s in json.loads(meta["lora_studio.exported_from"])] == [0.7, -1.3]
+
+
+def test_the_cli_writes_the_same_file(data_dir, library, tmp_path, capsys):
+    resolver = AdapterResolver([], data_dir, model=MODEL)
+    ref = export_stack(resolver.resolve(STACK), MODEL, tmp_path / "ref.safetensors", data_dir=data_dir)
+    out = tmp_path / "cli.safetensors"
+    assert app.main(["export-lora", "demo-inverted:0.7", "demo-outline:-1.3", "--model", MODEL, "-o", str(out),
+                     "--data-dir", str(data_dir)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    a, b = load_file(ref["path"]), load_file(str(out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert app.main(["export-lora", "demo-inverted", "--model", MODEL, "-o", str(tmp_path / "x.png"),
+                     "--data-dir", str(data_dir)]) == 2
+
+
+def test_what_does_not_fold_into_a_file_is_refused_by_name(managers, data_dir, library, tmp_path):
+    from test_lora_lycoris import hand_written
+
+    resolver = AdapterResolver([tmp_path], data_dir, model=MODEL)
+    hand_written(managers(MODEL).denoisers()["transformer"], "loha", "kohya", tmp_path / "a-loha.safetensors")
+    with pytest.raises(InvalidParameter, match="a-loha is a LyCORIS LoHa adapter") as err:
+        export_stack(resolver.resolve([STACK[0], {"name": "a-loha"}]), MODEL, tmp_path / "x.safetensors",
+                     data_dir=data_dir)
+    assert err.value.param == "lora[1]"
+    with pytest.raises(InvalidParameter, match="only plain weights"):
+        export_stack(resolver.resolve([{"name": "demo-inverted", "scale": [1.0, 0.5]}]), MODEL,
+                     tmp_path / "x.safetensors", data_dir=data_dir)
+    assert not (tmp_path / "x.safetensors").exists()
