@@ -179,7 +179,7 @@ def test_preset_picker_fuses_and_restores(browser, app):  # noqa: F811
                     return el.get_attribute("data-status") == "succeeded"
             return False
 
-        wait_for("the preset's job to succeed", mine_succeeded)
+        wait_for("the preset's job to succeed", mine_succeeded, page=page)
         wait_for("its picture", lambda: image.count() and image.get_attribute("src") != shown_before)
         src = image.get_attribute("src")
         raw = httpx.get(src if re.match(r"https?://", src) else app.url + src.lstrip("/"), timeout=30).content
@@ -222,7 +222,8 @@ def test_the_placeholder_prompt_draws_what_it_says(browser, app):  # noqa: F811
         page.locator("#prompt textarea").fill(hint)
         page.locator("#generate-btn").click()
         job = page.locator("#gen-status .ls-job")
-        wait_for("the job to succeed", lambda: job.count() and job.get_attribute("data-status") == "succeeded")
+        wait_for("the job to succeed", lambda: job.count() and job.get_attribute("data-status") == "succeeded",
+                 page=page)
         src = page.locator("#result-image img").get_attribute("src")
         raw = httpx.get(src if re.match(r"https?://", src) else app.url + src.lstrip("/"), timeout=30).content
         got = read(Image.open(io.BytesIO(raw)))
@@ -254,7 +255,8 @@ def test_the_first_run_hint_names_a_lora_that_does_what_it_says(browser, app):  
         page.locator("#prompt textarea").fill(text)
         page.locator("#generate-btn").click()
         job = page.locator("#gen-status .ls-job")
-        wait_for("the job to succeed", lambda: job.count() and job.get_attribute("data-status") == "succeeded")
+        wait_for("the job to succeed", lambda: job.count() and job.get_attribute("data-status") == "succeeded",
+                 page=page)
         src = page.locator("#result-image img").get_attribute("src")
         image = Image.open(io.BytesIO(httpx.get(src if re.match(r"https?://", src) else app.url + src.lstrip("/"),
                                                 timeout=30).content)).convert("RGB")

@@ -8,6 +8,7 @@ the per-test limit of pytest.ini, so a wait that fails says what it waited for).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import playwright.sync_api as playwright
@@ -82,8 +83,22 @@ def fill(page, elem_id: str, value) -> None:
     box.press("Tab")
 
 
-def wait_for(what, check, timeout: float = TIMEOUT_MS / 1000, every: float = 0.2):
-    return wait_until(check, timeout, what, every)
+def wait_for(what, check, timeout: float = TIMEOUT_MS / 1000, every: float = 0.2, page=None):
+    """``wait_until`` for a page; with ``page``, a timeout says what the page showed then (the Generate tab's
+    note and job lines) and leaves a screenshot under test-artifacts/, so a failure on CI can be read."""
+    try:
+        return wait_until(check, timeout, what, every)
+    except pytest.fail.Exception:
+        if page is None:
+            raise
+        shown = {}
+        for elem in ("gen-note", "gen-status"):
+            try:
+                shown[elem] = " ".join(page.locator(f"#{elem}").inner_text(timeout=2000).split())[:600]
+            except Exception as exc:  # noqa: BLE001 - the page itself may be the problem
+                shown[elem] = f"<unreadable: {type(exc).__name__}>"
+        path = shot(page, "timeout-" + re.sub(r"[^a-z0-9]+", "-", what.lower()).strip("-")[:60])
+        pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; the page showed {shown} ({path})")
 
 
 def all_jobs(app):
