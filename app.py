@@ -16,7 +16,7 @@ import sys
 
 from backend.families import DEFAULT_MODEL, task_types  # plain data: no torch imported here
 
-COMMANDS = ("serve", "generate", "adapters", "presets", "ray-up", "export-lora")
+COMMANDS = ("serve", "generate", "adapters", "presets", "ray-up", "export-lora", "hash-password")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -106,9 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--share", action="store_true", help="a public Gradio link (requires --auth or --api-key)")
     serve.add_argument("--auth", metavar="USER:PASS",
                        help="require this login on every route (UI form, or HTTP Basic) but /health")
-    serve.add_argument("--api-key", metavar="KEY",
+    serve.add_argument("--auth-file", metavar="FILE",
+                       help="several users, one USER:HASH a line (bcrypt or scrypt; `app.py hash-password USER` "
+                            "writes one): each sees only their own jobs and outputs (docs/security.md)")
+    serve.add_argument("--api-key", metavar="[NAME=]KEY", action="append",
                        help="require 'Authorization: Bearer KEY' (or a login with KEY as password) on every "
-                            "route but /health")
+                            "route but /health; repeat for several keys, NAME=KEY names the user a key acts as")
+    serve.add_argument("--admin", metavar="NAME", action="append", default=[],
+                       help="a user or key name that sees everyone's jobs and outputs (repeatable; the --auth "
+                            "login and an unnamed key always do)")
     serve.add_argument("--max-loras", type=int, default=4, metavar="N", help="adapters resident on the device")
     serve.add_argument("--max-cpu-loras", type=int, default=16, metavar="N", help="adapters held in CPU memory")
     serve.add_argument("--max-queue", type=int, default=256, metavar="N", help="queued jobs before 429")
@@ -189,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     ray_up.add_argument("--port", type=int, default=6379)
     ray_up.add_argument("--num-cpus", type=int, metavar="N")
     ray_up.add_argument("--num-gpus", type=int, metavar="N")
+
+    hashpw = sub.add_parser("hash-password", help="print a USER:HASH line (scrypt) for --auth-file",
+                            description="Read a password (typed without echo, or one line on stdin) and print "
+                                        "USER:HASH, a line for --auth-file. The password is never an argument: "
+                                        "other users of the machine could read it in `ps`.")
+    hashpw.add_argument("user", metavar="USER")
 
     presets = sub.add_parser("presets", help="list distill presets and which files are present")
     _common(presets)
@@ -293,13 +305,16 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from backend.errors import InvalidParameter
 
-    if args.share and not (args.auth or args.api_key):  # a share link is public: every route needs a credential
-        raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS or --api-key KEY "
-                               "(then every route needs one)", param="share")
+    if args.share and not (args.auth or args.api_key or args.auth_file):  # a public link: every route needs one
+        raise InvalidParameter("--share makes a public link: it needs --auth USER:PASS, --auth-file FILE or "
+                               "--api-key KEY (then every route needs one)", param="share")
     if args.auth is not None and not all(args.auth.partition(":")[::2]):
         raise InvalidParameter("--auth must be USER:PASS", param="auth")
-    if args.api_key is not None and not args.api_key.strip():
-        raise InvalidParameter("--api-key must not be empty", param="api_key")
+    from backend.api.auth import Credentials
+    from backend.users import read_auth_file
+
+    users = read_auth_file(args.auth_file) if args.auth_file else None
+    Credentials(args.api_key, args.auth, users=users, admins=args.admin)  # every credential checked before any load
     from backend.api import create_app, serve
     from backend.limits import Limits
     from backend.service import Studio
@@ -322,7 +337,7 @@ def cmd_serve(args) -> int:
     try:
         studio.start()
         app = create_app(studio, api_key=args.api_key, login=args.auth,  # one gate for API and UI
-                         client_timeout=args.client_timeout)
+                         users=users, admins=args.admin, client_timeout=args.client_timeout)
         on_exit = [studio.stopping]  # Ctrl-C / SIGTERM: end open waits and streams, then close
         from ui import end_streams, mount
 
@@ -412,6 +427,25 @@ def cmd_export_lora(args) -> int:
     return 0
 
 
+def cmd_hash_password(args) -> int:
+    import getpass
+
+    from backend.errors import InvalidParameter
+    from backend.users import NAME, hash_password
+
+    if not NAME.fullmatch(args.user):
+        raise InvalidParameter(f"user name {args.user[:80]!r}: letters, digits, _.@- (at most 64 characters)",
+                               param="user")
+    if sys.stdin.isatty():
+        password = getpass.getpass(f"password for {args.user}: ")
+        if getpass.getpass("again: ") != password:
+            raise InvalidParameter("the two passwords differ", param="password")
+    else:
+        password = sys.stdin.readline().rstrip("\r\n")
+    print(f"{args.user}:{hash_password(password)}")
+    return 0
+
+
 def cmd_ray_up(args) -> int:
     from backend.engines.ray_engine import ray_up
 
@@ -427,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     from backend.errors import StudioError
 
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "adapters": cmd_adapters, "presets": cmd_presets,
-                "ray-up": cmd_ray_up, "export-lora": cmd_export_lora}
+                "ray-up": cmd_ray_up, "export-lora": cmd_export_lora, "hash-password": cmd_hash_password}
     try:
         return handlers[args.command](args)
     except StudioError as exc:

@@ -14,11 +14,15 @@ import httpx
 import pytest
 
 from backend.api.server import free_port
-from backend.jobs.queue import SCHEMA
+from backend.jobs.queue import SCHEMA, SCHEMA_VERSION
 from ui_fixtures import app_home, served_app
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo:qwen-image"
+# the jobs table as schema version 1 wrote it (before ``owner``)
+V1_SCHEMA = SCHEMA.replace(",\n    owner TEXT\n", "\n").replace(
+    "CREATE INDEX IF NOT EXISTS jobs_owner ON jobs(owner, status, seq);\n", "")
+assert "owner" not in V1_SCHEMA
 
 
 def _bad_row(db: Path, job_id: str, status: str, **columns) -> None:
@@ -30,12 +34,13 @@ def _bad_row(db: Path, job_id: str, status: str, **columns) -> None:
 
 @pytest.fixture(scope="module")
 def server(data_dir, demo_path, tmp_path_factory):
-    """A store from before schema versions (user_version 0) holding two damaged unfinished rows."""
+    """A store from before schema versions (user_version 0, the version-1 table: no ``owner``) holding two
+    damaged unfinished rows."""
     demo_path(MODEL)
     home = app_home(data_dir, tmp_path_factory, "store")
     db = home / "jobs.sqlite"
     with sqlite3.connect(db) as conn:
-        conn.executescript(SCHEMA)
+        conn.executescript(V1_SCHEMA)
     _bad_row(db, "badrunning00", "running", params="{not json")
     _bad_row(db, "badqueued000", "queued", adapters="[oops")
     with served_app(home, env={"OMP_NUM_THREADS": "1"}) as served:
@@ -56,7 +61,10 @@ def test_damaged_rows_at_start_are_failed_with_the_reason(server):
         job = _job(url, job_id)
         assert job["status"] == "failed" and column in job["error"] and "not valid JSON" in job["error"], job
     with sqlite3.connect(db) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 1  # an old store is stamped, not refused
+        # an old store is migrated (owner added, its jobs owned by no one) and stamped, not refused
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert "owner" in [r[1] for r in conn.execute("PRAGMA table_info(jobs)")]
+        assert conn.execute("SELECT owner FROM jobs WHERE id='badrunning00'").fetchone() == (None,)
 
 
 def test_a_row_damaged_while_serving_is_failed_and_the_queue_goes_on(server):

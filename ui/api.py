@@ -48,7 +48,7 @@ def parse_adapters(value) -> list[dict]:
 
 
 def build(studio) -> None:
-    async def generate(prompt: str, negative_prompt: str | None = None, seed: int | None = None,
+    async def generate(request: gr.Request, prompt: str, negative_prompt: str | None = None, seed: int | None = None,
                  height: int | None = None, width: int | None = None, num_inference_steps: int | None = None,
                  true_cfg_scale: float | None = None, guidance_scale: float | None = None,
                  guidance_scale_2: float | None = None, boundary_ratio: float | None = None,
@@ -63,18 +63,19 @@ def build(studio) -> None:
                       boundary_ratio=boundary_ratio, flow_shift=flow_shift, sample_solver=sample_solver,
                       num_frames=num_frames, fps=fps, task_type=task_type, image=image)
         params = {"prompt": prompt, **{k: v for k, v in fields.items() if v not in (None, "")}}
+        mine = studio.of(request)
         try:
-            job = await to_thread.run_sync(studio.submit, "generate", params, parse_adapters(adapters),
+            job = await to_thread.run_sync(mine.submit, "generate", params, parse_adapters(adapters),
                                            preset or None, model or None)
         except gr.Error:
             raise
         except Exception as exc:
             _fail(exc)
         try:
-            job = await studio.wait_async(job["id"])
+            job = await mine.wait_async(job["id"])
         except asyncio.CancelledError:  # the caller went away (cancel, disconnect): stop the work too
             try:
-                studio.cancel(job["id"])
+                mine.cancel(job["id"])
             except Exception:  # already finished or gone: nothing left to stop
                 pass
             raise
@@ -123,10 +124,10 @@ def build(studio) -> None:
         except Exception as exc:
             _fail(exc)
 
-    def cancel(job_id: str) -> dict:
-        """Cancel a queued or running job."""
+    def cancel(job_id: str, request: gr.Request) -> dict:
+        """Cancel a queued or running job (one of the caller's own, unless an admin)."""
         try:
-            return plain(studio.cancel(job_id))
+            return plain(studio.of(request).cancel(job_id))
         except Exception as exc:
             _fail(exc)
 

@@ -10,6 +10,7 @@ import gradio as gr
 
 from . import (adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, server_state, system,
                workspace, xyz)
+from .signed import Signed
 
 CSS = """
 .ls-bar { height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; margin-top: 4px; }
@@ -129,7 +130,11 @@ def parse_auth(auth) -> tuple[str, str] | None:
     return user, password
 
 
-def build_ui(studio, *, auth=None) -> gr.Blocks:
+def build_ui(studio, *, auth=None, who=None) -> gr.Blocks:
+    """The UI over ``studio``; ``who(username)``: the identity behind a signed-in session (a server
+    with credentials; ui/signed.py), None: one user, no login."""
+    if studio is not None and not isinstance(studio, Signed):
+        studio = Signed(studio, who)
     with gr.Blocks(title="LoRA Studio") as blocks:
         gr.Markdown("# LoRA Studio")
         api.build(studio)  # first, so the named endpoints keep their names (private events are named too)
@@ -161,8 +166,10 @@ def build_ui(studio, *, auth=None) -> gr.Blocks:
         tab_refresh(list_presets, t_presets, preset_outs)
         t_gallery.select(list_outputs, gallery_ins, gallery_outs, api_visibility="private")
         tab_refresh(show_system, t_system, system_outs)
-        t_queue.select(lambda: (gr.Timer(active=True), job_rows()), None, [timer, job_table],
-                       api_visibility="private")
+        def open_queue(request: gr.Request):
+            return gr.Timer(active=True), job_rows(request)
+
+        t_queue.select(open_queue, None, [timer, job_table], api_visibility="private")
         for other in (t_adapters, t_presets, t_gallery, t_system):
             other.select(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
 
@@ -275,8 +282,9 @@ def mount(app, studio, *, auth=None, path: str = "/"):
                 raise ValueError("mount(auth=...) differs from create_app(login=...)")
             gate.credentials.login = login
         if gate.credentials.configured:
-            auth = gate.credentials  # a callable (user, password) -> bool
-    blocks = build_ui(studio, auth=auth)
+            auth = gate.credentials.login_async  # (user, password) -> bool, awaited by Gradio's login
+    who = gate.credentials.lookup if gate is not None and gate.credentials.configured else None
+    blocks = build_ui(studio, auth=auth, who=who)
     kw = blocks.ls_launch
     gr.mount_gradio_app(app, blocks, path=path, auth=kw["auth"], allowed_paths=kw["allowed_paths"],
                         css=kw["css"], ssr_mode=False, footer_links=["api", "settings"])
@@ -289,7 +297,29 @@ def mount(app, studio, *, auth=None, path: str = "/"):
         gate.sessions = GradioSessions(gradio_app)
         gate.page_paths.update({root + "/", root or "/"})
         gate.scrub = scrub_login_page
+        gate.guards.append(result_file_guard(studio, [root + p for p in FILE_ROUTES]))
     return app
+
+
+FILE_ROUTES = ("/gradio_api/file=", "/file=")  # Gradio's routes that serve a file by its path
+
+
+def result_file_guard(studio, prefixes: list[str]):
+    """``guard(path, user)`` for the gate: a file in the outputs folder asked for by path through Gradio's
+    file routes is served to its owner (and admins) only; another user's is "not found", as a missing
+    file is. (The UI itself shows results from Gradio's cache, under names made from their content.)"""
+    roots = [os.path.realpath(r) for r in output_roots(studio)]
+
+    def guard(path: str, user) -> str | None:
+        if user.admin or not path.startswith(tuple(prefixes)):
+            return None
+        target = path.split("file=", 1)[1]
+        real = os.path.realpath(target)
+        if not any(real == r or real.startswith(r + os.sep) for r in roots):
+            return None  # not a result: Gradio's own rules decide
+        return None if studio.owns_file(real, user) else "file not found"
+
+    return guard
 
 
 def launch(blocks: gr.Blocks, **kwargs):

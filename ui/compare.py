@@ -60,8 +60,9 @@ def build(studio, gen: GenerateTab) -> None:
 
     adapters.focus(refresh_choices, None, adapters, api_visibility="private")
 
-    def run(scale_text, axis, names, seed_text, model_id, prompt, seed, *values, progress=gr.Progress()):
-        m = models_by_id(studio).get(model_id)
+    def run(request: gr.Request, scale_text, axis, names, seed_text, model_id, prompt, seed, *values,
+            progress=gr.Progress()):
+        m, mine = models_by_id(studio).get(model_id), studio.of(request)
         try:
             if m is None:
                 raise InvalidParameter(f"pick a model on the Generate tab first (got {model_id!r})")
@@ -79,14 +80,14 @@ def build(studio, gen: GenerateTab) -> None:
                      corner("adapter weight", Y_TITLES[axis]))  # the picture fits the plot budget
             # all queued before any is awaited, all or none (a refused cell or a full queue queues nothing)
             places = [(r, c) for r, (_, row) in enumerate(layout) for c in range(len(row))]
-            jobs = studio.submit_many([{"kind": "generate", "params": {**base, "seed": sd}, "adapters": payload,
+            jobs = mine.submit_many([{"kind": "generate", "params": {**base, "seed": sd}, "adapters": payload,
                                         "model": model_id} for _, row in layout for _, payload, sd in row])
             cells = [(r, c, job) for (r, c), job in zip(places, jobs)]
         except Exception as exc:
             yield error_html(readable(exc)), None
             return
         ids = [job["id"] for _, _, job in cells]
-        for jobs in follow(studio, ids):
+        for jobs in follow(mine, ids):
             done = sum(j.get("status") in views.FINISHED for j in jobs)
             progress((done, len(jobs)), desc="grid cells", unit="images")
             yield (f'<div class="ls-job" data-done="{done}" data-total="{len(jobs)}">'

@@ -63,17 +63,19 @@ def build(studio, gen: GenerateTab, tabs: gr.Tabs):
                            elem_id="gallery-drop")
             status = gr.HTML(elem_id="gallery-status")
 
-    def listing(model=ANY_MODEL, adapter=ANY_ADAPTER, size=48, number=0, note=""):
+    def page_of(request, model=ANY_MODEL, adapter=ANY_ADAPTER, size=48, number=0, note=""):
+        """One page of the signed-in user's outputs (an admin's: everyone's)."""
+        mine = studio.of(request)
         try:
-            facets = studio.output_facets()
+            facets = mine.output_facets()
             size = int(size or 48)
             model = model if model in facets["models"] else ANY_MODEL
             adapter = adapter if adapter in facets["adapters"] else ANY_ADAPTER
             keep = dict(model=None if model == ANY_MODEL else model,
                         adapter=None if adapter == ANY_ADAPTER else adapter)
-            total = len(studio.outputs(limit=10**9, **keep)) if any(keep.values()) else facets["total"]
+            total = len(mine.outputs(limit=10**9, **keep)) if any(keep.values()) else facets["total"]
             number = max(0, min(int(number or 0), max(0, (total - 1) // size)))
-            outs = studio.outputs(limit=size, offset=number * size, **keep)
+            outs = mine.outputs(limit=size, offset=number * size, **keep)
         except Exception as exc:
             return [gr.update()] * 4 + [number, gr.update(), gr.update(), error_html(readable(exc))]
         shown = [(o["path"], caption(o)) for o in outs]
@@ -83,11 +85,23 @@ def build(studio, gen: GenerateTab, tabs: gr.Tabs):
 
     filters = [model_f, adapter_f, per_page]
     list_outs = [gallery, items, page_info, selected, page, model_f, adapter_f, status]
+    def listing(request: gr.Request, m=ANY_MODEL, a=ANY_ADAPTER, n=48, p=0):
+        return page_of(request, m, a, n, p)
+
+    def first_page(request: gr.Request, m, a, n):  # a new filter starts at the first page
+        return page_of(request, m, a, n, 0)
+
+    def prev_page(request: gr.Request, m, a, n, p):
+        return page_of(request, m, a, n, p - 1)
+
+    def next_page(request: gr.Request, m, a, n, p):
+        return page_of(request, m, a, n, p + 1)
+
     refresh.click(listing, [*filters, page], list_outs, api_visibility="private")
-    for f in filters:  # a new filter starts at the first page
-        f.input(lambda m, a, n: listing(m, a, n, 0), filters, list_outs, api_visibility="private")
-    prev.click(lambda m, a, n, p: listing(m, a, n, p - 1), [*filters, page], list_outs, api_visibility="private")
-    nxt.click(lambda m, a, n, p: listing(m, a, n, p + 1), [*filters, page], list_outs, api_visibility="private")
+    for f in filters:
+        f.input(first_page, filters, list_outs, api_visibility="private")
+    prev.click(prev_page, [*filters, page], list_outs, api_visibility="private")
+    nxt.click(next_page, [*filters, page], list_outs, api_visibility="private")
 
     def select(outs, evt: gr.SelectData):
         if evt is None or evt.index is None or evt.index >= len(outs):
@@ -97,18 +111,18 @@ def build(studio, gen: GenerateTab, tabs: gr.Tabs):
 
     gallery.select(select, items, [meta, chosen, selected], api_visibility="private")
 
-    def remove(path, answer, m, a, n, p):
+    def remove(request: gr.Request, path, answer, m, a, n, p):
         if answer == "no":  # the browser's confirmation was answered "Cancel": the choice stays
-            kept = listing(m, a, n, p, ok_html(f"nothing deleted ({Path(path).name} kept)"))
+            kept = page_of(request, m, a, n, p, ok_html(f"nothing deleted ({Path(path).name} kept)"))
             kept[3] = path
             return kept
         if not path:
-            return listing(m, a, n, p, error_html("choose an output first"))
+            return page_of(request, m, a, n, p, error_html("choose an output first"))
         try:
-            gone = studio.delete_output(path)["deleted"]
+            gone = studio.of(request).delete_output(path)["deleted"]
         except Exception as exc:
-            return listing(m, a, n, p, error_html(readable(exc)))
-        return listing(m, a, n, p, ok_html(f"deleted {', '.join(Path(x).name for x in gone)}"))
+            return page_of(request, m, a, n, p, error_html(readable(exc)))
+        return page_of(request, m, a, n, p, ok_html(f"deleted {', '.join(Path(x).name for x in gone)}"))
 
     delete.click(remove, [selected, confirmed, *filters, page], list_outs, api_visibility="private",
                  js="(path, answer, ...rest) => [...(" + CONFIRM_DELETE + ")(path, answer), ...rest]")

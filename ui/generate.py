@@ -272,7 +272,7 @@ def _wire(studio, t: GenerateTab, refresh, dice, apply_btn) -> None:
                 yield [gr.update(), gr.update(), error_html(readable(exc))] + [gr.update()] * len(WIDGETS) + \
                     [gr.update()] * 2 + [stack, *render_stack(stack, m.two_stage)]
                 return
-            for (job,) in follow(studio, [job["id"]]):
+            for (job,) in follow(studio.studio, [job["id"]]):  # the server's own job (a switch is no one's)
                 progress(views.job_fraction(job), desc=f"loading {model_id}")
                 yield [gr.update(), gr.update(), views.progress_html(job)] + [gr.update()] * len(WIDGETS) + \
                     [gr.update()] * 2 + [stack, *render_stack(stack, m.two_stage)]

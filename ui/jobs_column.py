@@ -87,8 +87,9 @@ def wire(studio, t, go, stop, cancel_one) -> None:
             payload = adapter_payload(stack, m.two_stage)
         except Exception as exc:  # a bad "weight over steps": refused by name, nothing queued
             return [error_html(readable(exc)), gr.update(), gr.update()]
+        mine = studio.of(request)
         try:  # all n or none; the server knows what it has fused (apply_preset): the jobs need not name it
-            queued = studio.submit_many([{"kind": "generate", "params": {**params, "seed": base_seed + i},
+            queued = mine.submit_many([{"kind": "generate", "params": {**params, "seed": base_seed + i},
                                           "adapters": payload, "model": model_id} for i in range(n)])
         except Exception as exc:
             return [error_html(readable(exc)), gr.update(), gr.update()]
@@ -101,7 +102,7 @@ def wire(studio, t, go, stop, cancel_one) -> None:
                                  [str(j["id"]) for j in queued])
         # a new click starts a new list: the finished jobs of earlier clicks leave it
         known = list(dict.fromkeys([*((watch or {}).get("ids") or []), *followed.get(_session(request))]))
-        keep = [j for j in known if _active(studio, j)]
+        keep = [j for j in known if _active(mine, j)]
         watch = {**(watch or {}), "ids": keep + [str(j["id"]) for j in queued]}
         followed.set(_session(request), watch["ids"])
         return [note, watch, str(queued[-1]["id"])]
@@ -113,12 +114,12 @@ def wire(studio, t, go, stop, cancel_one) -> None:
 
     def cancel_jobs(request: gr.Request, watch):
         """Cancel every queued or running job this page follows."""
-        cancelled, errors = [], []
+        cancelled, errors, mine = [], [], studio.of(request)
         for job_id in dict.fromkeys([*((watch or {}).get("ids") or []), *followed.get(_session(request))]):
-            if not _active(studio, job_id):
+            if not _active(mine, job_id):
                 continue
             try:
-                studio.cancel(job_id)
+                mine.cancel(job_id)
                 cancelled.append(job_id)
             except Exception as exc:  # finished meanwhile
                 errors.append(readable(exc))
@@ -134,18 +135,18 @@ def wire(studio, t, go, stop, cancel_one) -> None:
         Each part is sent only when it changed (gr.update() otherwise). A "queued ... position 1" note
         leaves once the jobs it names have ended (their lines in the job list say how)."""
         watch, seen = dict(watch or {}), dict(seen or {})
-        out = {}
+        out, mine = {}, studio.of(request)
         # jobs: the server's active ones (a reload, another tab) plus the ones this page queued (its state,
         # and the table a click that ran beside this poll wrote to)
         try:
             ids = list(dict.fromkeys([*(watch.get("ids") or []), *followed.get(_session(request))]))
-            for j in studio.active_jobs():
+            for j in mine.active_jobs():
                 if str(j["id"]) not in ids:
                     ids.append(str(j["id"]))
             jobs = []
             for job_id in ids:
                 try:
-                    jobs.append(studio.job(job_id))
+                    jobs.append(mine.job(job_id))
                 except Exception:  # gone (pruned): nothing to show
                     pass
             finished = [j for j in jobs if j.get("status") in views.FINISHED]
@@ -157,7 +158,7 @@ def wire(studio, t, go, stop, cancel_one) -> None:
             for j in jobs:  # the running job's latents as a small image, about once a second
                 if j.get("status") == "running":
                     try:
-                        previews[str(j["id"])] = studio.job_preview(j["id"])
+                        previews[str(j["id"])] = mine.job_preview(j["id"])
                     except Exception:  # it ended meanwhile
                         pass
             named = views.queued_ids(note)
@@ -234,12 +235,12 @@ def wire(studio, t, go, stop, cancel_one) -> None:
 
 def _wire_cancel_one(studio, t, box) -> None:
     """A job line's ✕ cancels that job only (the Cancel button cancels every job the page follows)."""
-    def cancel_one(value):
+    def cancel_one(request: gr.Request, value):
         job_id = str(value or "").split("\n", 1)[0].strip()
         if not job_id:
             return gr.update()
         try:
-            job = studio.cancel(job_id)
+            job = studio.of(request).cancel(job_id)
         except Exception as exc:  # finished meanwhile, or not a job
             return error_html(readable(exc))
         if job.get("status") == "running":

@@ -129,12 +129,12 @@ def build(studio, gen) -> None:
     action.change(add, [action, gen.stack, gen.model], [gen.stack, *gen.row_outputs(), gen.status],
                   api_visibility="private", queue=False)
 
-    def preview(value):
+    def preview(request: gr.Request, value):
         name = str(value or "").split("\n", 1)[0]
         if not name:
             return gr.update()
         try:
-            job = studio.make_preview(name)
+            job = studio.of(request).make_preview(name)
         except Exception as exc:
             return error_html(readable(exc))
         return ok_html(f"making a preview of {name} (job {job['id']}); it shows on its card when done")

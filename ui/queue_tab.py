@@ -22,14 +22,15 @@ def build(studio):
         retry = gr.Button("Retry", elem_id="queue-retry", scale=1)
     status = gr.HTML(elem_id="queue-status")
 
-    def rows():
+    def rows(request):
+        """The signed-in user's jobs (an admin's: everyone's)."""
         try:
-            return views.job_rows(studio.jobs(limit=100))
+            return views.job_rows(studio.of(request).jobs(limit=100))
         except Exception as exc:
             return gr.update(label=f"Jobs (could not list: {readable(exc)})")
 
-    def tick(before):
-        now = rows()
+    def tick(request: gr.Request, before):
+        now = rows(request)
         if now == before:
             return gr.update(), before
         return now, now if isinstance(now, list) else None
@@ -42,25 +43,27 @@ def build(studio):
 
     table.select(pick, None, job_id, api_visibility="private")
 
-    def do_cancel(jid):
+    def do_cancel(request: gr.Request, jid):
         if not jid:
-            return error_html("enter or click a job first"), rows()
+            return error_html("enter or click a job first"), rows(request)
         try:
-            job = studio.cancel(jid.strip())
+            job = studio.of(request).cancel(jid.strip())
         except Exception as exc:
-            return error_html(readable(exc)), rows()
-        return ok_html(f"job {jid}: {job.get('status', 'cancelled') if isinstance(job, dict) else 'cancelled'}"), rows()
+            return error_html(readable(exc)), rows(request)
+        return (ok_html(f"job {jid}: {job.get('status', 'cancelled') if isinstance(job, dict) else 'cancelled'}"),
+                rows(request))
 
-    def do_retry(jid):
+    def do_retry(request: gr.Request, jid):
         if not jid:
-            return error_html("enter or click a job first"), rows()
+            return error_html("enter or click a job first"), rows(request)
+        mine = studio.of(request)
         try:
-            old = studio.job(jid.strip())
-            new = studio.submit(old.get("kind") or "generate", old.get("params") or {}, old.get("adapters"),
-                                old.get("preset"), old.get("model"))
+            old = mine.job(jid.strip())
+            new = mine.submit(old.get("kind") or "generate", old.get("params") or {}, old.get("adapters"),
+                              old.get("preset"), old.get("model"))
         except Exception as exc:
-            return error_html(readable(exc)), rows()
-        return ok_html(f"job {jid} queued again as job {new['id']}"), rows()
+            return error_html(readable(exc)), rows(request)
+        return ok_html(f"job {jid} queued again as job {new['id']}"), rows(request)
 
     cancel.click(do_cancel, job_id, [status, table], api_visibility="private")
     retry.click(do_retry, job_id, [status, table], api_visibility="private")

@@ -43,16 +43,16 @@ def wire_send(studio, t, reuse, to_i2v) -> None:
             raise gr.Error("no result yet: generate one first", print_exception=False)
         return job_id
 
-    def reuse_seed(watch):
-        job = studio.job(shown(watch))
+    def reuse_seed(request: gr.Request, watch):
+        job = studio.of(request).job(shown(watch))
         seed = ((job.get("result") or {}).get("metadata") or {}).get("seed", (job.get("params") or {}).get("seed"))
         return seed, ok_html(f"seed {seed} (from job {job['id']})")
 
     reuse.click(reuse_seed, t.watch, [t.seed, t.status], api_visibility="private", queue=False)
 
-    def pick(watch, model_id):
+    def pick(request: gr.Request, watch, model_id):
         try:
-            info = studio.result_image(shown(watch))
+            info = studio.of(request).result_image(shown(watch))
         except gr.Error:
             raise
         except Exception as exc:

@@ -208,8 +208,9 @@ def build(studio, gen: GenerateTab) -> None:
         pick.change(lambda kind: gr.update(info=HINTS.get(kind, "weights, e.g. 0, 0.5, 1")), pick, values,
                     api_visibility="private", queue=False)
 
-    def run(xk, xv, yk, yv, zk, zv, model_id, prompt, seed, stack, *values, progress=gr.Progress()):
-        m = models_by_id(studio).get(model_id)
+    def run(request: gr.Request, xk, xv, yk, yv, zk, zv, model_id, prompt, seed, stack, *values,
+            progress=gr.Progress()):
+        m, mine = models_by_id(studio).get(model_id), studio.of(request)
         try:
             if m is None:
                 raise InvalidParameter(f"pick a model on the Generate tab first (got {model_id!r})", param="model")
@@ -227,13 +228,13 @@ def build(studio, gen: GenerateTab) -> None:
             geometry(*cell_size(params, m.defaults), x.labels, y.labels, z.labels, corner)  # the picture fits
             # every cell queued before any is awaited, all or none: a cell refused, or too little room in
             # the queue, queues nothing
-            jobs = studio.submit_many([{"kind": "generate", "params": c["params"], "adapters": c["adapters"],
+            jobs = mine.submit_many([{"kind": "generate", "params": c["params"], "adapters": c["adapters"],
                                         "model": model_id} for c in cells])
         except Exception as exc:
             yield error_html(readable(exc)), None, None
             return
         ids = [str(j["id"]) for j in jobs]
-        for jobs in follow(studio, ids):
+        for jobs in follow(mine, ids):
             done = sum(j.get("status") in views.FINISHED for j in jobs)
             running = next((j for j in jobs if j.get("status") == "running"), None)
             progress((done, len(jobs)), desc="plot cells", unit="images")

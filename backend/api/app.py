@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import anyio
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -26,7 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import BodyTooLarge, BodyTooSlow, InvalidParameter, StorageFull, StudioError, Timeout, storage_full
 from ..service import job_error
-from .auth import AuthGate, Credentials, GateConfig
+from ..users import NOBODY
+from .auth import AuthGate, Credentials, GateConfig, user_of
 from .schemas import (ChatRequest, ExportAdapterRequest, GenerationRequest, LoadAdapterRequest, UnloadAdapterRequest,
                       error_body)
 from .server import CLIENT_TIMEOUT_S
@@ -101,14 +102,24 @@ def known_error(exc: BaseException) -> StudioError | None:
     return None
 
 
-def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, str] | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, wait_s: float = DEFAULT_WAIT_S,
-               client_timeout: float = CLIENT_TIMEOUT_S) -> FastAPI:
-    """``api_key`` / ``login`` (USER:PASS): when either is set, every route but /health needs a
-    credential (backend/api/auth.py; the UI adds its login page when it mounts)."""
+def create_app(studio, api_key: str | list[str] | None = None, *, login: str | tuple[str, str] | None = None,
+               users: dict[str, str] | None = None, admins=(), max_body_bytes: int = MAX_BODY_BYTES,
+               wait_s: float = DEFAULT_WAIT_S, client_timeout: float = CLIENT_TIMEOUT_S) -> FastAPI:
+    """``api_key`` (one key, or ``KEY`` / ``NAME=KEY`` values), ``login`` (USER:PASS), ``users`` ({user:
+    hash}, --auth-file), ``admins``: when any is set, every route but /health needs a credential
+    (backend/api/auth.py; the UI adds its login page when it mounts), and each job belongs to the
+    identity that submitted it (backend/users.py)."""
     app = FastAPI(title="LoRA Studio", version="1", docs_url="/docs", openapi_url="/openapi.json")
     app.state.studio = studio
-    app.state.auth = GateConfig(Credentials(api_key, login))
+    app.state.auth = GateConfig(Credentials(api_key, login, users=users, admins=admins))
+    configured = app.state.auth.credentials.configured
+
+    def mine(request: Request):
+        """The Studio as this request's identity sees it (the gate put it in the scope)."""
+        user = user_of(request.scope)
+        if user is None and configured:
+            user = NOBODY  # never happens behind the gate; if it did: it sees nothing
+        return studio.for_user(user)
 
     @app.exception_handler(StudioError)
     async def _on_studio_error(request, exc: StudioError):
@@ -171,7 +182,7 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
              "loaded": m.get("loaded", False), "pipeline": m.get("pipeline"), "output": m.get("output")}
             for m in studio.models()]}
 
-    def submit(body, prompt: str, extra: dict, image: str | None) -> list[dict]:
+    def submit(s, body, prompt: str, extra: dict, image: str | None) -> list[dict]:
         """Queue ``n`` jobs (seed, seed+1, ...); an input image that is refused is not kept."""
         fields = {**body.fields(exclude=frozenset({"prompt", "messages", "size", "response_format"})), **extra,
                   "prompt": prompt}
@@ -190,25 +201,26 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
                 if seed is not None and body.n > 1:
                     params["seed"] = int(seed) + i
                 requests.append({"kind": "generate", "params": params, "adapters": adapters, "model": model})
-            jobs = studio.submit_many(requests)  # all n or none: a full queue never takes half a request
+            jobs = s.submit_many(requests)  # all n or none: a full queue never takes half a request
         except BaseException:
             if upload is not None and not jobs:
                 Path(upload).unlink(missing_ok=True)
             raise
         return jobs
 
-    async def generate(body, prompt: str, extra: dict, image: str | None) -> list[dict]:
+    async def generate(request: Request, body, prompt: str, extra: dict, image: str | None) -> list[dict]:
         """Queue the jobs, then wait for them without holding a thread; the finished job dicts."""
-        jobs = await run_in_threadpool(submit, body, prompt, extra, image)
-        done = [await studio.wait_async(j["id"], wait_s) for j in jobs]
+        s = mine(request)
+        jobs = await run_in_threadpool(submit, s, body, prompt, extra, image)
+        done = [await s.wait_async(j["id"], wait_s) for j in jobs]
         for job in done:
             _raise_for(job)
         return done
 
     @v1.post("/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         prompt, image = body.prompt_and_image()
-        jobs = await generate(body, prompt, {}, image)
+        jobs = await generate(request, body, prompt, {}, image)
         return await run_in_threadpool(chat_answer, jobs)
 
     def chat_answer(jobs: list[dict]) -> dict:
@@ -224,8 +236,8 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
                 "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
                 "metadata": [j["result"]["metadata"] for j in jobs]}
 
-    async def media(body: GenerationRequest, want_video: bool):
-        jobs = await generate(body, body.prompt, body.size_fields(), None)
+    async def media(request: Request, body: GenerationRequest, want_video: bool):
+        jobs = await generate(request, body, body.prompt, body.size_fields(), None)
         return await run_in_threadpool(media_answer, jobs, want_video)
 
     def media_answer(jobs: list[dict], want_video: bool) -> dict:
@@ -241,12 +253,12 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
         return {"created": int(time.time()), "data": data}
 
     @v1.post("/images/generations")
-    async def images(body: GenerationRequest):
-        return await media(body, want_video=False)
+    async def images(body: GenerationRequest, request: Request):
+        return await media(request, body, want_video=False)
 
     @v1.post("/videos/generations")
-    async def videos(body: GenerationRequest):
-        return await media(body, want_video=True)
+    async def videos(body: GenerationRequest, request: Request):
+        return await media(request, body, want_video=True)
 
     @v1.get("/loras")
     def loras():
@@ -270,26 +282,27 @@ def create_app(studio, api_key: str | None = None, *, login: str | tuple[str, st
         return {"status": "ok", "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
 
     @v1.get("/jobs")
-    def jobs(limit: int = 100, status: str | None = None):
-        return {"object": "list", "data": studio.jobs(limit=max(1, min(limit, 1000)), status=status)}
+    def jobs(request: Request, limit: int = 100, status: str | None = None):
+        """The caller's jobs, newest first (an admin's: everyone's)."""
+        return {"object": "list", "data": mine(request).jobs(limit=max(1, min(limit, 1000)), status=status)}
 
     @v1.get("/jobs/{job_id}")
-    def job(job_id: str):
-        return studio.job(job_id)
+    def job(job_id: str, request: Request):
+        return mine(request).job(job_id)
 
     @v1.get("/jobs/{job_id}/preview")
-    def job_preview(job_id: str):
+    def job_preview(job_id: str, request: Request):
         """The running job's latest live preview (PNG, at most 128 px a side; X-Preview-Step says which
         step); 204 while there is none (queued, finished, its first second, or a model without previews)."""
-        preview = studio.job_preview(job_id)
+        preview = mine(request).job_preview(job_id)
         if preview is None:
             return Response(status_code=204, headers={"Cache-Control": "no-store"})
         return Response(preview["png"], media_type="image/png",
                         headers={"X-Preview-Step": str(preview["step"]), "Cache-Control": "no-store"})
 
     @v1.delete("/jobs/{job_id}")
-    def cancel(job_id: str):
-        return studio.cancel(job_id)
+    def cancel(job_id: str, request: Request):
+        return mine(request).cancel(job_id)
 
     app.include_router(v1)
     return app

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from typing import Callable, Protocol
 
 from ..errors import InvalidParameter
+from ..users import API_USER, MAX_PASSWORD, User, Verified, parse_key, verify_password
 
 API_PREFIXES = ("/v1/", "/metrics")  # routes that take no cookie, and say "WWW-Authenticate: Bearer"
 OPEN_PATHS = ("/health",)
@@ -48,34 +49,105 @@ class Sessions(Protocol):
 
 
 class Credentials:
-    """The configured key and login; ``configured`` is False when neither is set (all open)."""
+    """The configured keys and logins (backend/users.py says who each one is); ``configured`` is False
+    when none is set (all open). ``api_key``: one key or a list of ``KEY`` / ``NAME=KEY`` values;
+    ``login``: the one ``--auth USER:PASS``; ``users``: {user: hash} from ``--auth-file``; ``admins``:
+    names that see everyone's work (the one login and an unnamed key always do)."""
 
-    def __init__(self, api_key: str | None = None, login: str | tuple[str, str] | None = None):
-        if api_key is not None and not api_key.strip():
-            raise InvalidParameter("--api-key must not be empty", param="api_key")
+    def __init__(self, api_key: str | list[str] | None = None, login: str | tuple[str, str] | None = None, *,
+                 users: dict[str, str] | None = None, admins=()):
         if isinstance(login, str):
             user, sep, password = login.partition(":")
             if not sep or not user or not password:
                 raise InvalidParameter("--auth must be USER:PASS", param="auth")
             login = (user, password)
-        self.api_key, self.login = api_key, login
+        values = [] if api_key is None else [api_key] if isinstance(api_key, str) else list(api_key)
+        self.keys: list[tuple[str, str]] = [parse_key(v) for v in values]
+        self.login, self.users = login, dict(users or {})
+        self.admins = frozenset(admins)
+        self._verified = Verified()
+        named = {n for n, _ in self.keys if n != API_USER}
+        if any(n == API_USER for n, _ in self.keys) and API_USER in self.users:
+            raise InvalidParameter(f"--auth-file lists a user '{API_USER}', the name an unnamed --api-key acts as; "
+                                   "rename the user or name the key (--api-key NAME=KEY)", param="auth_file")
+        known = set(self.users) | named | ({login[0]} if login else set()) | \
+            ({API_USER} if any(n == API_USER for n, _ in self.keys) else set())
+        unknown = sorted(set(self.admins) - known)
+        if unknown:
+            raise InvalidParameter(f"--admin {unknown[0]}: no such user or key name (users: "
+                                   f"{', '.join(sorted(known)) or 'none'})", param="admin")
+
+    @property
+    def api_key(self) -> str | None:
+        """The first key (None without keys): whether keys are configured, for the hints."""
+        return self.keys[0][1] if self.keys else None
+
+    @property
+    def logins(self) -> bool:
+        """Whether there are logins besides the keys (--auth, --auth-file)."""
+        return self.login is not None or bool(self.users)
 
     @property
     def configured(self) -> bool:
-        return self.api_key is not None or self.login is not None
+        return bool(self.keys) or self.logins
 
-    def bearer(self, token: str) -> bool:
-        return self.api_key is not None and hmac.compare_digest(token.encode(), self.api_key.encode())
+    def _role(self, name: str, default: bool = False) -> User:
+        return User(name, admin=default or name in self.admins)
+
+    def bearer(self, token: str) -> User | None:
+        """The identity a key acts as (every key compared, so the time does not say which matched)."""
+        found = None
+        for name, key in self.keys:
+            if hmac.compare_digest(token.encode(), key.encode()) and found is None:
+                found = self._role(name, default=name == API_USER)
+        return found
+
+    def check(self, user: str, password: str) -> User | None:
+        """A login: the --auth pair, an --auth-file user (a slow hash: call off the event loop), or, with
+        no logins configured, a key as the password (a named key under its own name, an unnamed one
+        under any name)."""
+        if len(password) > MAX_PASSWORD:
+            return None
+        if self.login is not None and hmac.compare_digest(user.encode(), self.login[0].encode()) \
+                and hmac.compare_digest(password.encode(), self.login[1].encode()):
+            return self._role(self.login[0], default=True)
+        hashed = self.users.get(user)
+        if hashed is not None:
+            if self._verified.known(user, password, hashed) or verify_password(password, hashed):
+                self._verified.remember(user, password, hashed)
+                return self._role(user)
+            return None
+        if self.logins:
+            return None
+        key = self.bearer(password)
+        if key is None or (key.name != API_USER and user != key.name):
+            return None
+        return key if key.name != API_USER else self._role(user or API_USER, default=True)
 
     def password(self, user: str, password: str) -> bool:
-        """A login: the --auth pair; with only --api-key, any user name and the key as password."""
-        if self.login is None:
-            return self.bearer(password)
-        ok_user = hmac.compare_digest(user.encode(), self.login[0].encode())
-        ok_password = hmac.compare_digest(password.encode(), self.login[1].encode())
-        return ok_user and ok_password
+        return self.check(user, password) is not None
 
     __call__ = password  # Gradio's ``auth=`` callable: (user, password) -> bool
+
+    async def login_async(self, user: str, password: str) -> bool:
+        """``password`` for Gradio's login route (awaited there): a hash is checked in a worker thread."""
+        if user in self.users:
+            import anyio
+
+            return await anyio.to_thread.run_sync(self.password, user, password)
+        return self.password(user, password)
+
+    def lookup(self, name: str | None) -> User | None:
+        """The identity behind a UI session's user name (its login was checked when the session began)."""
+        if not name:
+            return None
+        if self.login is not None and name == self.login[0]:
+            return self._role(name, default=True)
+        if name in self.users or any(n == name and n != API_USER for n, _ in self.keys):
+            return self._role(name)
+        if any(n == API_USER for n, _ in self.keys):  # an unnamed key's login (any name), or its Bearer
+            return self._role(name, default=True)
+        return None
 
 
 class Throttle:
@@ -143,6 +215,8 @@ class GateConfig:
         # page would show only to someone logged in (Gradio embeds its API description there)
         self.page_paths: set[str] = set()
         self.scrub: Callable[[bytes], bytes] | None = None
+        # ``guard(path, user) -> refusal or None``: per-user rules on paths (the UI's result files)
+        self.guards: list[Callable[[str, User], str | None]] = []
 
     def add_open(self, exact=(), prefixes=(), login=()) -> None:
         self.open_exact.update(exact)
@@ -184,21 +258,23 @@ class AuthGate:
             return await self.app(scope, receive, _watch_login(send, throttle, client))
 
         api = _is_api(path)
-        if not api and config.sessions is not None and config.sessions.user(headers) is not None:
-            return await self.app(scope, receive, send)  # a logged-in browser (its cookie is no guess)
+        if not api and config.sessions is not None:
+            user = config.credentials.lookup(config.sessions.user(headers))
+            if user is not None:  # a logged-in browser (its cookie is no guess)
+                return await self._pass(scope, receive, send, user)
         if b"authorization" in headers:
             wait = throttle.retry_after(client)
             if wait:  # locked out: not even checked
                 return await _refuse(scope, receive, send, 429, _too_many(wait), wait=wait)
-            given, user = _presented(headers, config.credentials, api=api)
+            given, user = await _presented(headers, config.credentials, api=api)
             if user is None:
                 throttle.failed(client, headers.get(b"authorization"))
                 return await _refuse(scope, receive, send, 401, f"wrong {given}: {_hint(config.credentials, api)}",
                                      challenge=_challenge(config.credentials, api))
             throttle.succeeded(client)
             if config.sessions is not None and not api:
-                config.sessions.admit(scope, user)
-            return await self.app(scope, receive, send)
+                config.sessions.admit(scope, user.name)
+            return await self._pass(scope, receive, send, user)
         if config.is_open(path):
             if config.scrub is not None and path in config.page_paths and scope["type"] == "http":
                 return await _scrubbed(self.app, scope, receive, send, config.scrub)
@@ -207,9 +283,25 @@ class AuthGate:
                              f"this server needs credentials: {_hint(config.credentials, api)}"
                              + ("" if api else ", or log in at /"), challenge=_challenge(config.credentials, api))
 
+    async def _pass(self, scope, receive, send, user: User):
+        """Hand an accepted request on, its identity in ``scope["state"]["user"]`` (``user_of``); a path a
+        ``guard`` refuses for this user (another user's result file) is a 404, as if it did not exist."""
+        scope.setdefault("state", {})["user"] = user
+        for guard in self.config.guards:
+            refusal = guard(scope.get("path", ""), user)
+            if refusal:
+                return await _refuse(scope, receive, send, 404, refusal)
+        return await self.app(scope, receive, send)
+
+
+def user_of(scope) -> User | None:
+    """The identity the gate accepted for this request (None: a server without credentials)."""
+    state = scope.get("state") or {}
+    return state.get("user") if isinstance(state, dict) else getattr(state, "user", None)
+
 
 def _hint(credentials: Credentials, api: bool) -> str:
-    if credentials.login is None:
+    if not credentials.logins:
         return "send 'Authorization: Bearer <key>' (or HTTP Basic with the key as password)"
     if credentials.api_key is None:
         return "send the login as HTTP Basic ('Authorization: Basic <base64 of USER:PASS>', curl -u USER:PASS)"
@@ -227,26 +319,31 @@ def _challenge(credentials: Credentials, api: bool) -> str | None:
 
 
 
-def _presented(headers: dict, credentials: Credentials, api: bool) -> tuple[str | None, str | None]:
-    """(what kind of credential the request carries, or None; the user it proves, or None).
-    With an API key, the API routes take only the key: a login is for the UI."""
+async def _presented(headers: dict, credentials: Credentials, api: bool) -> tuple[str | None, User | None]:
+    """(what kind of credential the request carries, or None; the identity it proves, or None).
+    With an API key, the API routes take only the key: a login is for the UI. A password hash is
+    checked in a worker thread (tens of milliseconds the event loop does not wait)."""
     raw = headers.get(b"authorization")
     if raw is None:
         return None, None
     scheme, _, value = raw.decode("latin-1").strip().partition(" ")
     value = value.strip()
     if scheme.lower() == "bearer":
-        return "API key", ("api" if credentials.bearer(value) else None)
+        return "API key", credentials.bearer(value)
     if scheme.lower() == "basic":
         try:
             user, sep, password = base64.b64decode(value, validate=True).decode("utf-8").partition(":")
         except (binascii.Error, UnicodeDecodeError):
             return "Basic login", None
-        if api and credentials.api_key is not None and credentials.login is not None:
+        if api and credentials.keys and credentials.logins:
             return "Basic login", None
-        if not sep or not credentials.password(user, password):
+        if not sep:
             return "Basic login", None
-        return "Basic login", credentials.login[0] if credentials.login is not None else "api"
+        if user in credentials.users:
+            import anyio
+
+            return "Basic login", await anyio.to_thread.run_sync(credentials.check, user, password)
+        return "Basic login", credentials.check(user, password)
     return f"'{scheme}' authorization", None
 
 

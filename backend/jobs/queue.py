@@ -61,13 +61,17 @@ CREATE TABLE IF NOT EXISTS jobs (
     overtaken INTEGER NOT NULL DEFAULT 0,
     requeues INTEGER NOT NULL DEFAULT 0,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
-    dispatch_no INTEGER
+    dispatch_no INTEGER,
+    owner TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
+CREATE INDEX IF NOT EXISTS jobs_owner ON jobs(owner, status, seq);
 """
 COLUMNS = tuple(line.split()[0] for line in SCHEMA.split("(", 1)[1].split(");", 1)[0].strip().splitlines())
-# PRAGMA user_version of the store this code writes; 0 is a store from before versioning (same table)
-SCHEMA_VERSION = 1
+# PRAGMA user_version of the store this code writes; 0 is a store from before versioning (same table).
+# 2: ``owner`` (who submitted the job; backend/users.py), added to a version 0/1 store when it is opened
+SCHEMA_VERSION = 2
+ADDED_COLUMNS = {"owner": "TEXT"}  # columns a migration adds to an older store (its rows: no owner)
 JSON_COLUMNS = ("params", "adapters", "result", "error_detail")
 
 
@@ -121,7 +125,8 @@ class JobQueue:
                                   "preset": preset}])[0]
 
     def submit_many(self, jobs: list[dict]) -> list[dict]:
-        """Queue several jobs (each {"kind", "model", "params", "adapters", "preset"}) in one transaction:
+        """Queue several jobs (each {"kind", "model", "params", "adapters", "preset"}, and "owner": who
+        submitted it, or None) in one transaction:
         all of them, in order, or none (QueueFull when they do not all fit under --max-queue)."""
         rows = []
         for job in jobs:
@@ -131,7 +136,7 @@ class JobQueue:
             adapters = list(job.get("adapters") or [])
             rows.append((uuid.uuid4().hex[:16], job["kind"], job.get("model"), json.dumps(job["params"]),
                          json.dumps(adapters), job.get("preset"),
-                         group_key(job.get("model"), adapters, job.get("preset"))))
+                         group_key(job.get("model"), adapters, job.get("preset")), job.get("owner")))
         with self._tx() as db:
             depth = db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued'").fetchone()[0]
             if depth + len(rows) > self.max_queue:
@@ -139,8 +144,8 @@ class JobQueue:
                 raise QueueFull(f"the job queue is full ({depth} queued, --max-queue {self.max_queue}{more}); "
                                 "retry later")
             now = time.time()
-            db.executemany("INSERT INTO jobs (id, kind, status, model, params, adapters, preset, grp, created_at) "
-                           "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?)", [(*row, now) for row in rows])
+            db.executemany("INSERT INTO jobs (id, kind, status, model, params, adapters, preset, grp, owner, "
+                           "created_at) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)", [(*row, now) for row in rows])
         return [self.get(row[0]) for row in rows]
 
     def claim(self, current_group: str | None) -> dict | None:
@@ -279,15 +284,20 @@ class JobQueue:
         with self._lock:
             return self._to_dict(self._row(self._db, job_id))
 
-    def list(self, limit: int = 100, status: str | None = None) -> list[dict]:
+    def list(self, limit: int = 100, status: str | None = None, *, owner: str | None = None) -> list[dict]:
+        """The newest ``limit`` jobs (of a ``status``; with ``owner``, only that owner's)."""
         if status is not None and status not in STATUSES:
             raise StudioError(f"unknown status {status!r}; one of {', '.join(STATUSES)}", param="status")
+        where, args = [], []
+        if status:
+            where.append("status=?")
+            args.append(status)
+        if owner is not None:
+            where.append("owner=?")
+            args.append(owner)
+        sql = "SELECT * FROM jobs" + (f" WHERE {' AND '.join(where)}" if where else "") + " ORDER BY seq DESC LIMIT ?"
         with self._lock:
-            if status:
-                rows = self._db.execute("SELECT * FROM jobs WHERE status=? ORDER BY seq DESC LIMIT ?",
-                                        (status, limit)).fetchall()
-            else:
-                rows = self._db.execute("SELECT * FROM jobs ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+            rows = self._db.execute(sql, (*args, limit)).fetchall()
             return [self._to_dict(r) for r in rows]
 
     def counts(self) -> dict:
@@ -418,6 +428,7 @@ class JobQueue:
             "preset": row["preset"], "created_at": row["created_at"], "started_at": row["started_at"],
             "finished_at": finished_at, "result": decoded["result"], "error": error,
             "error_detail": decoded["error_detail"], "overtaken": row["overtaken"], "requeues": row["requeues"],
+            "owner": row["owner"],
         }
 
 
@@ -457,7 +468,7 @@ def _open(path: Path) -> sqlite3.Connection:
                              f"or {aside}", param="data_dir")
         # a table from an older layout (columns missing) is refused as it is: never altered, never stamped
         have = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
-        missing = [c for c in COLUMNS if c not in have] if have else []
+        missing = [c for c in COLUMNS if c not in have and c not in ADDED_COLUMNS] if have else []
         if missing:
             raise StoreError(f"the job store {path} is from an older LoRA Studio (schema version {version}, its jobs "
                              f"table has no {', '.join(missing)}), which this one cannot read; {aside}",
@@ -468,6 +479,9 @@ def _open(path: Path) -> sqlite3.Connection:
         check = db.execute("PRAGMA quick_check").fetchone()[0]
         if check != "ok":
             raise StoreError(f"the job store {path} is damaged (SQLite: {check}); {aside}", param="data_dir")
+        for column, kind in ADDED_COLUMNS.items():
+            if have and column not in have:  # an older store, readable: migrated, its jobs owned by no one
+                db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
         db.executescript(SCHEMA)
         if version < SCHEMA_VERSION:
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")

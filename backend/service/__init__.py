@@ -13,11 +13,14 @@ does not import torch or Gradio (the worker process is where the pipeline lives)
 """
 from __future__ import annotations
 
+import functools
+
 from ..families import DEFAULT_MODEL
 from ..jobs.queue import FINISHED
 from ..limits import MAX_PLOT_PIXELS, MAX_PLOT_SIDE, check_plot_cells, check_plot_size  # noqa: F401 (the UI's plot budget)
 from ..lora.schedule import parse_text as parse_scale_text  # noqa: F401 - the UI's scale fields (torch-free)
 from ..pnginfo import infotext  # noqa: F401 - the UI's result line (torch-free)
+from ..users import NOBODY, User
 from .core import Core
 from .gallery import Gallery
 from .jobs import JobService
@@ -68,35 +71,42 @@ class Studio:
         self.close()
 
     # -- jobs (jobs.py) --------------------------------------------------------------------------
-    def submit(self, kind, params, adapters=None, preset=None, model=None) -> dict:
-        return self.job_service.submit(kind, params, adapters, preset, model)
+    # ``user`` (backend/users.py): whose work this is; None is the server's own code (CLI, Omni, tests)
+    def submit(self, kind, params, adapters=None, preset=None, model=None, *, user: User | None = None) -> dict:
+        return self.job_service.submit(kind, params, adapters, preset, model, user=user)
 
-    def submit_many(self, requests: list[dict]) -> list[dict]:
-        return self.job_service.submit_many(requests)
+    def submit_many(self, requests: list[dict], *, user: User | None = None) -> list[dict]:
+        return self.job_service.submit_many(requests, user=user)
 
-    def job(self, job_id: str) -> dict:
-        return self.job_service.job(job_id)
+    def job(self, job_id: str, *, user: User | None = None) -> dict:
+        return self.job_service.job(job_id, user=user)
 
-    def job_preview(self, job_id: str) -> dict | None:
-        return self.job_service.job_preview(job_id)
+    def job_preview(self, job_id: str, *, user: User | None = None) -> dict | None:
+        return self.job_service.job_preview(job_id, user=user)
 
-    def jobs(self, limit: int = 100, status: str | None = None) -> list[dict]:
-        return self.job_service.jobs(limit, status)
+    def jobs(self, limit: int = 100, status: str | None = None, *, user: User | None = None) -> list[dict]:
+        return self.job_service.jobs(limit, status, user=user)
 
-    def active_jobs(self, kinds: tuple[str, ...] | None = ("generate",)) -> list[dict]:
-        return self.job_service.active_jobs(kinds)
+    def active_jobs(self, kinds: tuple[str, ...] | None = ("generate",), *, user: User | None = None) -> list[dict]:
+        return self.job_service.active_jobs(kinds, user=user)
 
-    def cancel(self, job_id: str) -> dict:
-        return self.job_service.cancel(job_id)
+    def cancel(self, job_id: str, *, user: User | None = None) -> dict:
+        return self.job_service.cancel(job_id, user=user)
 
-    def wait(self, job_id: str, timeout: float | None = None) -> dict:
-        return self.job_service.wait(job_id, timeout)
+    def wait(self, job_id: str, timeout: float | None = None, *, user: User | None = None) -> dict:
+        return self.job_service.wait(job_id, timeout, user=user)
 
-    async def wait_async(self, job_id: str, timeout: float | None = None) -> dict:
-        return await self.job_service.wait_async(job_id, timeout)
+    async def wait_async(self, job_id: str, timeout: float | None = None, *, user: User | None = None) -> dict:
+        return await self.job_service.wait_async(job_id, timeout, user=user)
 
-    def run(self, kind, params, adapters=None, preset=None, model=None, timeout: float | None = None) -> dict:
-        return self.job_service.run(kind, params, adapters, preset, model, timeout)
+    def run(self, kind, params, adapters=None, preset=None, model=None, timeout: float | None = None, *,
+            user: User | None = None) -> dict:
+        return self.job_service.run(kind, params, adapters, preset, model, timeout, user=user)
+
+    def for_user(self, user: User | None) -> "Studio | UserView":
+        """This Studio as ``user`` sees it: the methods that touch someone's work (OWNED) act as that
+        user, everything else is the Studio's. ``None``: the Studio itself (no credentials)."""
+        return self if user is None else UserView(self, user)
 
     # -- models and presets (models.py) ----------------------------------------------------------
     def current_model(self) -> str:
@@ -145,8 +155,8 @@ class Studio:
     def adapter_use_counts(self) -> dict[str, int]:
         return self.library.adapter_use_counts()
 
-    def make_preview(self, name: str) -> dict:
-        return self.library.make_preview(name)
+    def make_preview(self, name: str, *, user: User | None = None) -> dict:
+        return self.library.make_preview(name, user=user)
 
     def import_adapter(self, src, name: str | None = None) -> dict:
         return self.library.import_adapter(src, name)
@@ -174,17 +184,20 @@ class Studio:
         return self.gallery.outputs_dir()
 
     def outputs(self, limit: int = 50, offset: int = 0, *, model: str | None = None,
-                adapter: str | None = None) -> list[dict]:
-        return self.gallery.outputs(limit, offset, model=model, adapter=adapter)
+                adapter: str | None = None, user: User | None = None) -> list[dict]:
+        return self.gallery.outputs(limit, offset, model=model, adapter=adapter, user=user)
 
-    def output_facets(self) -> dict:
-        return self.gallery.output_facets()
+    def output_facets(self, *, user: User | None = None) -> dict:
+        return self.gallery.output_facets(user=user)
 
-    def delete_output(self, path: str) -> dict:
-        return self.gallery.delete_output(path)
+    def delete_output(self, path: str, *, user: User | None = None) -> dict:
+        return self.gallery.delete_output(path, user=user)
 
-    def result_image(self, job_id: str) -> dict:
-        return self.gallery.result_image(job_id)
+    def owns_file(self, path: str, user: User | None) -> bool:
+        return self.gallery.owns_file(path, user)
+
+    def result_image(self, job_id: str, *, user: User | None = None) -> dict:
+        return self.gallery.result_image(job_id, user=user)
 
     def png_info(self, path) -> dict | None:
         return self.gallery.png_info(path)
@@ -193,4 +206,23 @@ class Studio:
         return self.gallery.save_plot(image, sidecar)
 
 
-__all__ = ["Studio", "FINISHED", "DEFAULT_MODEL", "job_error"]
+# the methods that read or change someone's work: a UserView passes its user to these
+OWNED = frozenset({"submit", "submit_many", "job", "job_preview", "jobs", "active_jobs", "cancel", "wait",
+                   "wait_async", "run", "make_preview", "outputs", "output_facets", "delete_output",
+                   "result_image"})
+
+
+class UserView:
+    """A Studio as one user sees it (``Studio.for_user``): OWNED methods act as that user."""
+
+    def __init__(self, studio: Studio, user: User):
+        self.studio, self.user = studio, user
+
+    def __getattr__(self, name):
+        attr = getattr(self.studio, name)
+        if name in OWNED:
+            return functools.partial(attr, user=self.user)
+        return attr
+
+
+__all__ = ["Studio", "UserView", "OWNED", "NOBODY", "FINISHED", "DEFAULT_MODEL", "job_error"]

@@ -9,8 +9,9 @@ import uuid
 from pathlib import Path
 
 from .. import settings
-from ..errors import InvalidParameter, PathNotAllowed
+from ..errors import InvalidParameter, JobNotFound, PathNotAllowed
 from ..outputs import SUFFIXES, _atomic_write
+from ..users import User, sees
 from .core import Core
 
 
@@ -23,14 +24,14 @@ class Gallery:
         return str(settings.outputs_dir(self.core.data_dir))
 
     def outputs(self, limit: int = 50, offset: int = 0, *, model: str | None = None,
-                adapter: str | None = None) -> list[dict]:
+                adapter: str | None = None, user: User | None = None) -> list[dict]:
         """Finished results, newest first (path, metadata, prompt, model, adapter names), from the job
         rows whose file still exists; ``offset``/``limit`` page through them, ``model`` and ``adapter``
         keep those made with that model / with that adapter in the stack."""
         if limit < 0 or offset < 0:
             raise InvalidParameter(f"limit and offset must be >= 0, got {limit} and {offset}", param="offset")
         out = []
-        for item in self._outputs():
+        for item in self._outputs(user):
             if model and item["model"] != model or adapter and adapter not in item["adapters"]:
                 continue
             out.append(item)
@@ -38,19 +39,20 @@ class Gallery:
                 break
         return out[offset:offset + limit]
 
-    def output_facets(self) -> dict:
+    def output_facets(self, *, user: User | None = None) -> dict:
         """What the gallery can filter on: the models and adapters its results were made with, and
-        how many results there are."""
+        how many results there are (``user``'s own, unless an admin)."""
         models, adapters, total = {}, {}, 0
-        for item in self._outputs():
+        for item in self._outputs(user):
             total += 1
             models[item["model"]] = None
             for name in item["adapters"]:
                 adapters[name] = None
         return {"models": sorted(m for m in models if m), "adapters": sorted(adapters), "total": total}
 
-    def _outputs(self):
-        for job in self.core.queue.list(limit=1_000_000, status="succeeded"):
+    def _outputs(self, user: User | None = None):
+        owner = None if user is None or user.admin else user.name
+        for job in self.core.queue.list(limit=1_000_000, status="succeeded", owner=owner):
             result = job.get("result") or {}
             path = result.get("path")
             if not path or not Path(path).exists():
@@ -62,14 +64,15 @@ class Gallery:
                    "prompt": (meta.get("params") or {}).get("prompt") or (job.get("params") or {}).get("prompt") or "",
                    "seed": meta.get("seed"), "adapters": adapters}
 
-    def delete_output(self, path: str) -> dict:
-        """Remove a result file and its JSON sidecar (only files in the outputs folder)."""
+    def delete_output(self, path: str, *, user: User | None = None) -> dict:
+        """Remove a result file and its JSON sidecar (only files in the outputs folder; a user's own
+        results only, unless an admin: another user's is "no such output", as a missing one)."""
         root = Path(os.path.realpath(settings.outputs_dir(self.core.data_dir)))
         target = Path(os.path.realpath(str(path)))
         if not target.is_relative_to(root) or target.suffix.lower() not in SUFFIXES:
             raise PathNotAllowed(f"{Path(str(path)).name} is not a result in the outputs folder; only those can "
                                  "be deleted here", param="path")
-        if not target.is_file():
+        if not target.is_file() or not self.owns_file(str(target), user):
             raise InvalidParameter(f"{target.name}: no such output (deleted already?)", param="path")
         removed = [str(target)]
         target.unlink()
@@ -79,11 +82,30 @@ class Gallery:
             removed.append(str(sidecar))
         return {"deleted": removed}
 
-    def result_image(self, job_id: str) -> dict:
+    def owns_file(self, path: str, user: User | None) -> bool:
+        """Whether ``user`` may read or delete ``path``, a file in the outputs folder: an admin (or the
+        server's own code) any; a user the results of their own jobs and a video's last frame made from
+        one (``<outputs>/frames/<name>-last.png``), nothing else there (plots and other users' results)."""
+        if user is None or user.admin:
+            return True
+        target = os.path.realpath(path)
+        frames = os.path.realpath(settings.outputs_dir(self.core.data_dir) / "frames")
+        mine = set()
+        for job in self.core.queue.list(limit=1_000_000, status="succeeded", owner=user.name):
+            result = (job.get("result") or {}).get("path")
+            if result:
+                real = os.path.realpath(result)
+                mine.add(real)
+                mine.add(os.path.join(frames, f"{Path(real).stem}-last.png"))
+        return target in mine
+
+    def result_image(self, job_id: str, *, user: User | None = None) -> dict:
         """A finished job's result as one image file (what "send to image-to-video" takes): the image
         itself, or a video's last frame, written once as ``<outputs>/frames/<name>-last.png``.
         Returns {"path", "seed", "video"}."""
         job = self.core.queue.get(job_id)
+        if not sees(user, job.get("owner")):
+            raise JobNotFound(f"no job with id {job_id!r}", param="job_id")
         result = job.get("result") or {}
         path = result.get("path")
         if job.get("status") != "succeeded" or not path or not Path(path).exists():

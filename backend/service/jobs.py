@@ -2,8 +2,9 @@
 its row read back, cancelled, waited for; the queue's client for every front end."""
 from __future__ import annotations
 
-from ..errors import InvalidParameter, StudioError
+from ..errors import InvalidParameter, JobNotFound, StudioError
 from ..limits import check_request, check_text
+from ..users import User, sees
 from .core import Core
 from .models import ModelService
 
@@ -13,17 +14,21 @@ class JobService:
         self.core, self.models = core, models
 
     def submit(self, kind: str, params: dict, adapters: list[dict] | None = None, preset: str | None = None,
-               model: str | None = None) -> dict:
+               model: str | None = None, *, user: User | None = None) -> dict:
         """Queue a job; the returned dict is already a committed row. Raises StudioError subclasses."""
         return self.submit_many([{"kind": kind, "params": params, "adapters": adapters, "preset": preset,
-                                  "model": model}])[0]
+                                  "model": model}], user=user)[0]
 
-    def submit_many(self, requests: list[dict]) -> list[dict]:
+    def submit_many(self, requests: list[dict], *, user: User | None = None) -> list[dict]:
         """Queue several jobs (each {"kind", "params", "adapters", "preset", "model"}, as ``submit`` takes
         them) all or none: every one is checked first, then all are queued in one transaction, so a plot
-        or a grid never sits half in the queue (a bad cell, or too little room, queues nothing)."""
-        checked = [self._checked(r.get("kind", "generate"), r.get("params"), r.get("adapters"), r.get("preset"),
-                                 r.get("model")) for r in requests]
+        or a grid never sits half in the queue (a bad cell, or too little room, queues nothing). The jobs
+        belong to ``user`` (backend/users.py)."""
+        if user is not None and not user.name:
+            raise InvalidParameter("this request is not signed in as anyone; log in again", param="user")
+        checked = [{**self._checked(r.get("kind", "generate"), r.get("params"), r.get("adapters"), r.get("preset"),
+                                    r.get("model")), "owner": user.name if user is not None else None}
+                   for r in requests]
         jobs = self.core.queue.submit_many(checked)
         self.core.supervisor.wake()
         return jobs
@@ -121,40 +126,53 @@ class JobService:
                       adapters)
         return params
 
-    def job(self, job_id: str) -> dict:
-        return self.core.queue.get(job_id)
+    def job(self, job_id: str, *, user: User | None = None) -> dict:
+        """A job's row; another user's job is refused exactly as an unknown id is (no way to tell them
+        apart, so ids cannot be probed)."""
+        job = self.core.queue.get(job_id)
+        if not sees(user, job.get("owner")):
+            raise JobNotFound(f"no job with id {job_id!r}", param="job_id")
+        return job
 
-    def job_preview(self, job_id: str) -> dict | None:
+    def job_preview(self, job_id: str, *, user: User | None = None) -> dict | None:
         """The latest live preview of a running job: {"step", "png"} (PNG bytes, at most 128 px a side),
         or None (not running, not yet a second into its run, or a model without previews)."""
-        self.core.queue.get(job_id)  # an unknown id is refused (404) like every other job route
+        self.job(job_id, user=user)  # an unknown id is refused (404) like every other job route
         return self.core.supervisor.preview(job_id)
 
-    def jobs(self, limit: int = 100, status: str | None = None) -> list[dict]:
-        return self.core.queue.list(limit=limit, status=status)
+    def jobs(self, limit: int = 100, status: str | None = None, *, user: User | None = None) -> list[dict]:
+        return self.core.queue.list(limit=limit, status=status, owner=_owner_filter(user))
 
-    def active_jobs(self, kinds: tuple[str, ...] | None = ("generate",)) -> list[dict]:
+    def active_jobs(self, kinds: tuple[str, ...] | None = ("generate",), *, user: User | None = None) -> list[dict]:
         """Running and queued jobs (running first, then by queue position), optionally of some kinds:
         what a page opened mid-job (a reload, a second tab, another device) re-attaches to."""
-        queue = self.core.queue
-        jobs = queue.list(limit=1000, status="running") + \
-            sorted(queue.list(limit=1000, status="queued"), key=lambda j: j.get("queue_position") or 0)
+        queue, owner = self.core.queue, _owner_filter(user)
+        jobs = queue.list(limit=1000, status="running", owner=owner) + \
+            sorted(queue.list(limit=1000, status="queued", owner=owner), key=lambda j: j.get("queue_position") or 0)
         return [j for j in jobs if kinds is None or j.get("kind") in kinds]
 
-    def cancel(self, job_id: str) -> dict:
+    def cancel(self, job_id: str, *, user: User | None = None) -> dict:
+        self.job(job_id, user=user)
         job, running = self.core.queue.cancel(job_id)
         if running:
             self.core.supervisor.cancel_running(job_id)
         return job
 
-    def wait(self, job_id: str, timeout: float | None = None) -> dict:
+    def wait(self, job_id: str, timeout: float | None = None, *, user: User | None = None) -> dict:
+        self.job(job_id, user=user)
         return self.core.queue.wait(job_id, timeout)
 
-    async def wait_async(self, job_id: str, timeout: float | None = None) -> dict:
+    async def wait_async(self, job_id: str, timeout: float | None = None, *, user: User | None = None) -> dict:
         """``wait`` from an event loop (HTTP handlers, Gradio events): no thread held while it waits."""
+        self.job(job_id, user=user)
         return await self.core.queue.wait_async(job_id, timeout)
 
     def run(self, kind: str, params: dict, adapters=None, preset=None, model=None,
-            timeout: float | None = None) -> dict:
+            timeout: float | None = None, *, user: User | None = None) -> dict:
         """submit + wait: the finished job dict (or the unfinished one after ``timeout``)."""
-        return self.wait(self.submit(kind, params, adapters, preset, model)["id"], timeout)
+        return self.wait(self.submit(kind, params, adapters, preset, model, user=user)["id"], timeout)
+
+
+def _owner_filter(user: User | None) -> str | None:
+    """The owner a listing keeps (None: everyone's, for admins and the server's own code)."""
+    return None if user is None or user.admin else user.name

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import AdapterNotFound, InvalidParameter, PathNotAllowed, StudioError
 from ..limits import check_request
+from ..users import User
 from .core import Core
 from .previews import Previews
 
@@ -118,11 +119,11 @@ class AdapterLibrary:
                     counts[name] = counts.get(name, 0) + 1
         return counts
 
-    def make_preview(self, name: str) -> dict:
+    def make_preview(self, name: str, *, user: User | None = None) -> dict:
         """The card's "Make preview": a preview job for the adapter of that name (``Previews.make``)."""
         if not isinstance(name, str):
             raise AdapterNotFound(f"no adapter named {str(name)[:100]!r} in the library", param="name")
-        return self.previews.make(self.adapter_detail(name))
+        return self.previews.make(self.adapter_detail(name), user=user)
 
     def import_adapter(self, src, name: str | None = None) -> dict:
         """Copy an adapter into <data-dir>/adapters (the library root we own).

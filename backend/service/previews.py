@@ -15,6 +15,7 @@ from .. import settings
 from ..errors import InvalidParameter, StudioError
 from ..jobs.queue import FINISHED
 from ..outputs import _atomic_write
+from ..users import User
 from .core import Core
 from .gallery import Gallery
 from .jobs import JobService
@@ -34,7 +35,7 @@ class Previews:
         self._lock = threading.Lock()
         self._load()
 
-    def make(self, row: dict) -> dict:
+    def make(self, row: dict, *, user: User | None = None) -> dict:
         """Queue one small job that previews a library row's adapter: scale 1.0, 4 steps, seed 0, the
         loaded model's smallest sensible size (its default, the short side at most ``PREVIEW_SIDE``),
         the prompt its first trigger word (else its name). When it has succeeded its image is written
@@ -58,7 +59,7 @@ class Previews:
         if not prompt.strip():
             prompt = name if "<lora:" not in name.lower() else "a picture"
         spec = self.core.spec() or self.core.static_spec(self.core.current_model()) or {}
-        job = self.jobs.submit("generate", _preview_params(spec, prompt), [{"name": name, "scale": 1.0}])
+        job = self.jobs.submit("generate", _preview_params(spec, prompt), [{"name": name, "scale": 1.0}], user=user)
         with self._lock:
             self._pending[job["id"]] = sha
             self._made.add(job["id"])
