@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     presets = sub.add_parser("presets", help="list distill presets and which files are present")
     _common(presets)
 
-    export = sub.add_parser("export-lora", help="write a stack of adapters as one LoRA file (exact; diffusers layout)")
+    export = sub.add_parser("export-lora", help="write a stack of adapters as one LoRA file (ranks concatenated, "
+                                                "weights folded in; diffusers layout)")
     export.add_argument("adapters", nargs="+", metavar="NAME[:WEIGHT]",
                         help="library names or adapter files, each with an optional weight (default: its "
                              "preferred weight, else 1.0), in stack order")

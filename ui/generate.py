@@ -199,6 +199,11 @@ def build(studio) -> GenerateTab:
                                            placeholder="1.0,0.8,0.5  or  0.5->1.0  or  {\"blocks\": {\"0-9\": 0.5}}",
                                            max_lines=1, elem_id=f"stack-schedule-{i}")
                     t.rows.append(StackRow(row, name, scale, split, high, low, up, down, remove, sched))
+                with gr.Row(equal_height=True):
+                    export_name = gr.Textbox(label="Save the stack as one LoRA", max_lines=1, scale=3,
+                                             placeholder="a name for the new adapter", elem_id="stack-export-name",
+                                             info="exact: the new file at weight 1 is this stack at these weights")
+                    export = gr.Button("Save as one LoRA", scale=1, elem_id="stack-export")
 
             with gr.Accordion("Preset (distill: fused into the base weights)", open=False, elem_id="gen-preset"):
                 with gr.Row():
@@ -236,6 +241,7 @@ def build(studio) -> GenerateTab:
 
     _wire(studio, t, refresh, dice, apply_btn)
     lora_stack.wire(studio, t, add)
+    lora_stack.wire_export(studio, t, export, export_name)
     jobs_column.wire(studio, t, go, stop, cancel_one)
     result_view.wire_send(studio, t, reuse, to_i2v)
     return t

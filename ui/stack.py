@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from .server_state import two_stage_of
-from .views import error_html
+from .views import error_html, ok_html, readable
 
 MAX_LORAS = 6
 
@@ -199,3 +199,23 @@ def wire(studio, t, add) -> None:
         for btn, delta in ((r.remove, 0), (r.up, -1), (r.down, 1)):
             btn.click(lambda stack, model_id, i=i, delta=delta: move(stack, model_id, i, delta),
                       [t.stack, t.model], [t.stack, *t.row_outputs()], api_visibility="private", queue=False)
+
+
+def wire_export(studio, t, button, name_box) -> None:
+    """*Save as one LoRA*: the stack as shown (its typed weights) written as one adapter into the library
+    (Studio.export_adapter, backend/lora/export.py); it joins the picker with the next library poll."""
+    def export(name, stack, model_id, *weights):
+        stack = stack_as_shown(stack, weights)
+        if not stack:
+            return error_html("the stack is empty: add the adapters to save as one first"), gr.update()
+        if not str(name or "").strip():
+            return error_html("give the new adapter a name first"), gr.update()
+        try:
+            done = studio.export_adapter(adapter_payload(stack, two_stage_of(studio, model_id)), str(name).strip())
+        except Exception as exc:  # noqa: BLE001 - a taken or bad name, a stack that cannot be one file
+            return error_html(readable(exc)), gr.update()
+        return ok_html(f"saved the stack ({', '.join(e['name'] for e in stack)}) as {done['adapter']['name']}: "
+                       f"{done['layers']} layers, rank {done['rank']}; it is in the adapter picker"), ""
+
+    button.click(export, [name_box, t.stack, t.model, *t.weight_inputs()], [t.status, name_box],
+                 api_visibility="private", queue=False)
