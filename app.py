@@ -315,7 +315,7 @@ def cmd_serve(args) -> int:
     from backend.users import read_auth_file
 
     users = read_auth_file(args.auth_file) if args.auth_file else None
-    Credentials(args.api_key, args.auth, users=users, admins=args.admin)  # every credential checked before any load
+    credentials = Credentials(args.api_key, args.auth, users=users, admins=args.admin)  # checked before any load
     from backend.api import create_app, serve
     from backend.limits import Limits
     from backend.service import Studio
@@ -337,8 +337,8 @@ def cmd_serve(args) -> int:
                     max_batch=args.max_batch, quantize=args.quantize, gguf=args.gguf)
     try:
         studio.start()
-        app = create_app(studio, api_key=args.api_key, login=args.auth,  # one gate for API and UI
-                         users=users, admins=args.admin, client_timeout=args.client_timeout)
+        app = create_app(studio, credentials=credentials,  # one gate for API and UI
+                         client_timeout=args.client_timeout)
         on_exit = [studio.stopping]  # Ctrl-C / SIGTERM: end open waits and streams, then close
         from ui import end_streams, mount
 

@@ -59,6 +59,11 @@ def sees(user: User | None, owner: str | None) -> bool:
                                           and hmac.compare_digest(owner.encode(), user.name.encode()))
 
 
+def listing_owner(user: User | None) -> str | None:
+    """The owner whose jobs a listing keeps for ``user`` (None: everyone's, for admins and the server's code)."""
+    return None if user is None or user.admin else user.name
+
+
 # -- password hashes ---------------------------------------------------------------------------------
 def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode().rstrip("=")

@@ -103,15 +103,16 @@ def known_error(exc: BaseException) -> StudioError | None:
 
 
 def create_app(studio, api_key: str | list[str] | None = None, *, login: str | tuple[str, str] | None = None,
-               users: dict[str, str] | None = None, admins=(), max_body_bytes: int = MAX_BODY_BYTES,
+               users: dict[str, str] | None = None, admins=(), credentials: Credentials | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES,
                wait_s: float = DEFAULT_WAIT_S, client_timeout: float = CLIENT_TIMEOUT_S) -> FastAPI:
     """``api_key`` (one key, or ``KEY`` / ``NAME=KEY`` values), ``login`` (USER:PASS), ``users`` ({user:
     hash}, --auth-file), ``admins``: when any is set, every route but /health needs a credential
     (backend/api/auth.py; the UI adds its login page when it mounts), and each job belongs to the
-    identity that submitted it (backend/users.py)."""
+    identity that submitted it (backend/users.py). ``credentials``: all of them, built already (app.py)."""
     app = FastAPI(title="LoRA Studio", version="1", docs_url="/docs", openapi_url="/openapi.json")
     app.state.studio = studio
-    app.state.auth = GateConfig(Credentials(api_key, login, users=users, admins=admins))
+    app.state.auth = GateConfig(credentials or Credentials(api_key, login, users=users, admins=admins))
     configured = app.state.auth.credentials.configured
 
     def mine(request: Request):

@@ -394,7 +394,7 @@ class JobQueue:
     def _row(db, job_id: str):
         row = db.execute("SELECT * FROM jobs WHERE id=?", (str(job_id),)).fetchone()
         if row is None:
-            raise JobNotFound(f"no job with id {job_id!r}", param="job_id")
+            raise not_found(job_id)
         return row
 
     def _to_dict(self, row) -> dict:
@@ -494,6 +494,11 @@ def _open(path: Path) -> sqlite3.Connection:
     except StoreError:
         db.close()
         raise
+
+
+def not_found(job_id) -> JobNotFound:
+    """What an unknown job id gets (and, word for word, a job the asker may not see: backend/users.py)."""
+    return JobNotFound(f"no job with id {job_id!r}", param="job_id")
 
 
 def _switches(groups: list[str]) -> int:

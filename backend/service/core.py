@@ -12,9 +12,10 @@ from .. import settings
 from ..config import RuntimeConfig
 from ..errors import InvalidParameter, StudioError
 from ..jobs.adapters import AdapterResolver
-from ..jobs.queue import JobQueue
+from ..jobs.queue import JobQueue, not_found
 from ..jobs.supervisor import Supervisor
 from ..limits import Limits
+from ..users import User, sees
 
 
 class Core:
@@ -88,6 +89,14 @@ class Core:
     def static_spec(self, model_id: str) -> dict | None:
         """A model's spec from its directory's model_index.json (no weights loaded)."""
         return static_spec(model_id, self.data_dir)
+
+    def job_for(self, job_id: str, user: User | None) -> dict:
+        """A job's row as ``user`` may see it: another user's job is refused exactly as an unknown id is
+        (no way to tell them apart, so ids cannot be probed)."""
+        job = self.queue.get(job_id)
+        if not sees(user, job.get("owner")):
+            raise not_found(job_id)
+        return job
 
     def queue_job(self, kind: str, params: dict, model: str | None = None) -> dict:
         """A job the server makes itself (a model switch, a preset), queued and the worker woken."""

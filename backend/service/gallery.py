@@ -9,9 +9,9 @@ import uuid
 from pathlib import Path
 
 from .. import settings
-from ..errors import InvalidParameter, JobNotFound, PathNotAllowed
+from ..errors import InvalidParameter, PathNotAllowed
 from ..outputs import SUFFIXES, _atomic_write
-from ..users import User, sees
+from ..users import User, listing_owner
 from .core import Core
 
 
@@ -51,8 +51,7 @@ class Gallery:
         return {"models": sorted(m for m in models if m), "adapters": sorted(adapters), "total": total}
 
     def _outputs(self, user: User | None = None):
-        owner = None if user is None or user.admin else user.name
-        for job in self.core.queue.list(limit=1_000_000, status="succeeded", owner=owner):
+        for job in self.core.queue.list(limit=1_000_000, status="succeeded", owner=listing_owner(user)):
             result = job.get("result") or {}
             path = result.get("path")
             if not path or not Path(path).exists():
@@ -103,9 +102,7 @@ class Gallery:
         """A finished job's result as one image file (what "send to image-to-video" takes): the image
         itself, or a video's last frame, written once as ``<outputs>/frames/<name>-last.png``.
         Returns {"path", "seed", "video"}."""
-        job = self.core.queue.get(job_id)
-        if not sees(user, job.get("owner")):
-            raise JobNotFound(f"no job with id {job_id!r}", param="job_id")
+        job = self.core.job_for(job_id, user)
         result = job.get("result") or {}
         path = result.get("path")
         if job.get("status") != "succeeded" or not path or not Path(path).exists():

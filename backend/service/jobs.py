@@ -2,9 +2,9 @@
 its row read back, cancelled, waited for; the queue's client for every front end."""
 from __future__ import annotations
 
-from ..errors import InvalidParameter, JobNotFound, StudioError
+from ..errors import InvalidParameter, StudioError
 from ..limits import check_request, check_text
-from ..users import User, sees
+from ..users import User, listing_owner
 from .core import Core
 from .models import ModelService
 
@@ -127,12 +127,8 @@ class JobService:
         return params
 
     def job(self, job_id: str, *, user: User | None = None) -> dict:
-        """A job's row; another user's job is refused exactly as an unknown id is (no way to tell them
-        apart, so ids cannot be probed)."""
-        job = self.core.queue.get(job_id)
-        if not sees(user, job.get("owner")):
-            raise JobNotFound(f"no job with id {job_id!r}", param="job_id")
-        return job
+        """A job's row, if ``user`` may see it (``Core.job_for``)."""
+        return self.core.job_for(job_id, user)
 
     def job_preview(self, job_id: str, *, user: User | None = None) -> dict | None:
         """The latest live preview of a running job: {"step", "png"} (PNG bytes, at most 128 px a side),
@@ -141,12 +137,12 @@ class JobService:
         return self.core.supervisor.preview(job_id)
 
     def jobs(self, limit: int = 100, status: str | None = None, *, user: User | None = None) -> list[dict]:
-        return self.core.queue.list(limit=limit, status=status, owner=_owner_filter(user))
+        return self.core.queue.list(limit=limit, status=status, owner=listing_owner(user))
 
     def active_jobs(self, kinds: tuple[str, ...] | None = ("generate",), *, user: User | None = None) -> list[dict]:
         """Running and queued jobs (running first, then by queue position), optionally of some kinds:
         what a page opened mid-job (a reload, a second tab, another device) re-attaches to."""
-        queue, owner = self.core.queue, _owner_filter(user)
+        queue, owner = self.core.queue, listing_owner(user)
         jobs = queue.list(limit=1000, status="running", owner=owner) + \
             sorted(queue.list(limit=1000, status="queued", owner=owner), key=lambda j: j.get("queue_position") or 0)
         return [j for j in jobs if kinds is None or j.get("kind") in kinds]
@@ -171,8 +167,3 @@ class JobService:
             timeout: float | None = None, *, user: User | None = None) -> dict:
         """submit + wait: the finished job dict (or the unfinished one after ``timeout``)."""
         return self.wait(self.submit(kind, params, adapters, preset, model, user=user)["id"], timeout)
-
-
-def _owner_filter(user: User | None) -> str | None:
-    """The owner a listing keeps (None: everyone's, for admins and the server's own code)."""
-    return None if user is None or user.admin else user.name
