@@ -175,13 +175,15 @@ def build_ui(studio, *, auth=None, who=None) -> gr.Blocks:
 
         def on_load():
             # the server's state: loaded model, fused preset (badge and picker), the library
-            preset = studio.current_preset()
+            model, preset = studio.current_model(), studio.current_preset()
             return [*gen.load_models(), *server_state.adapter_pick_updates(studio),
-                    gr.update(choices=server_state.preset_choices(studio), value=preset or server_state.NO_PRESET),
-                    server_state.badge_html(preset), generate.lora_hint(studio)]
+                    gr.update(choices=server_state.preset_choices(studio, model),
+                              value=preset or server_state.NO_PRESET),
+                    server_state.badge_html(preset), generate.lora_hint(studio),
+                    {"picker": [model, preset]}]  # the poll sends the picker again only when this changes
 
         loaded = blocks.load(on_load, None, [*gen.model_outputs, gen.pick, gen.unfit, gen.preset, gen.badge,
-                                             gen.hint], api_visibility="private", js=PAGE_JS)
+                                             gen.hint, gen.seen], api_visibility="private", js=PAGE_JS)
         workspace.wire(studio, gen, tabs, {
             "generate": t_generate, "compare": t_compare, "xyz": t_xyz, "adapters": t_adapters,
             "presets": t_presets, "queue": t_queue, "gallery": t_gallery, "system": t_system}, loaded)

@@ -191,15 +191,16 @@ def wire(studio, t, go, stop, cancel_one) -> None:
             out["note"] = ok_html(f"the server switched to {model_now} (another tab or client loaded it)")
         if preset_now != seen.get("preset") or model_now != seen.get("model"):
             out["badge"] = badge_html(preset_now)
-            out["preset"] = gr.update(choices=preset_choices(studio, model_now),
-                                      value=preset_now or NO_PRESET)
+            if seen.get("picker") != [model_now, preset_now]:  # not what the page's load already put there:
+                # sending the same choices again re-renders the dropdown and closes a list the user has open
+                out["preset"] = gr.update(choices=preset_choices(studio, model_now), value=preset_now or NO_PRESET)
             # the preset's defaults in the fields and the ones it fixes locked (unlocked when it goes)
             defaults, required = preset_contract(studio, preset_now)
             m_fields = m_now or models_by_id(studio).get(model_now)
             if m_fields is not None and (m_now is not None or preset_now != seen.get("preset")):
                 out["fields"] = field_updates(m_fields, defaults, reset=m_now is not None,
                                               locked=locked_reasons(preset_now, required))
-        seen["model"], seen["preset"] = model_now, preset_now
+        seen["model"], seen["preset"], seen["picker"] = model_now, preset_now, [model_now, preset_now]
         # the adapter library: new imports appear, deleted adapters leave the picker and the stack
         try:
             sig = studio.library_signature()
