@@ -191,6 +191,12 @@ class PipelineManager:
         return {name: getattr(self.pipeline, name) for name in self.family.denoisers
                 if getattr(self.pipeline, name, None) is not None}
 
+    def encoders(self) -> dict[str, torch.nn.Module]:
+        """The loaded pipeline's text encoders a LoRA may change (the family's ``LoraRouting.text_encoders``)."""
+        self._require_loaded()
+        return {name: module for name in self.family.lora.text_encoders
+                if isinstance(module := getattr(self.pipeline, name, None), torch.nn.Module)}
+
     # -- generation ------------------------------------------------------------------------
     def validate(self, request: dict, defaults: dict | None = None) -> dict:
         """Checked parameters for a request (raises InvalidParameter naming the field)."""

@@ -19,6 +19,7 @@ import re
 from pathlib import Path, PurePosixPath
 
 from .errors import InvalidParameter
+from .lora import prompt_tags
 from .lora.prompt_tags import tidy
 
 _SIZE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
@@ -91,12 +92,14 @@ def _user_comment(raw: bytes) -> str:
 
 
 def lora_tags(prompt: str) -> tuple[str, list[dict]]:
-    """``<lora:NAME:WEIGHT>`` tags (A1111; extra ``:TE`` weights ignored) out of the text."""
+    """``<lora:NAME:WEIGHT>`` and ``<lora:NAME:TE:UNET>`` tags (A1111) out of the text, read by the one tag
+    parser (``prompt_tags``); a tag it refuses (a weight that is no number, A1111's dynamic rank) is kept at
+    weight 1.0 here, so an image's settings can still be read."""
     adapters = []
     for m in _LORA.finditer(prompt or ""):
         try:
-            scale = float(m.group(2)) if m.group(2) not in (None, "") else 1.0
-        except ValueError:
+            scale = prompt_tags.split(m.group(0))[1][0].get("scale", 1.0)
+        except InvalidParameter:
             scale = 1.0
         adapters.append({"name": m.group(1).strip(), "scale": scale})
     return tidy(_LORA.sub(" ", prompt or "")), adapters
@@ -153,6 +156,26 @@ def _setting(value) -> str:
     return '"' + text.replace('"', "'") + '"' if any(c in text for c in ',:"') else text
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _a1111_weight(scale) -> str | None:
+    """An adapter's weight as A1111's tag writes it: ``W``, or ``TE:UNET`` for one weight on every text encoder
+    and another on every denoiser; None when A1111 has no form for it (a weight per expert, over steps)."""
+    if _is_number(scale):
+        return f"{scale:g}"
+    if not isinstance(scale, dict) or not scale or not all(_is_number(v) for v in scale.values()):
+        return None
+    te = {v for c, v in scale.items() if c.startswith("text_encoder")}
+    unet = {v for c, v in scale.items() if not c.startswith("text_encoder")}
+    if len(te) > 1 or len(unet) > 1:
+        return None
+    if not te or not unet or te == unet:
+        return f"{(te or unet).pop():g}"
+    return f"{te.pop():g}:{unet.pop():g}"
+
+
 def infotext(meta: dict) -> str:
     """A result's settings as A1111's infotext, the line its PNG Info tab, Civitai and ``parse_a1111`` read:
     the prompt with a ``<lora:NAME:WEIGHT>`` tag per adapter of one weight, ``Negative prompt: ...``, then
@@ -162,9 +185,9 @@ def infotext(meta: dict) -> str:
     params = meta.get("params") or {}
     tags, other = [], []
     for a in meta.get("adapters") or []:
-        scale = a.get("scale", 1.0)
-        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-            tags.append(f"<lora:{a.get('name')}:{scale:g}>")
+        weight = _a1111_weight(a.get("scale", 1.0))
+        if weight is not None:
+            tags.append(f"<lora:{a.get('name')}:{weight}>")
         else:
             other.append(str(a.get("name")))
     prompt = " ".join([str(params.get("prompt") or "").strip(), *tags]).strip()

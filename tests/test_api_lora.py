@@ -275,3 +275,45 @@ def test_a_stack_exported_over_http_draws_what_the_stack_draws(server, data_dir)
         assert not (data_dir / "escape.safetensors").exists()
     finally:
         (data_dir / "adapters" / "ink-film.safetensors").unlink()
+
+
+def test_a_text_encoder_lora_is_weighted_apart_over_http_and_in_the_a1111_tag(server, data_dir):
+    """#28 item 3: a kohya file with text-encoder (``lora_te_``) and transformer (``lora_unet_``) layers, dropped
+    into the library: listed with its encoder layers counted apart; the ``lora`` object's
+    ``{"transformer": w, "text_encoder": w}`` and A1111's ``<lora:NAME:TE:UNET>`` weigh the two apart (the
+    same pictures either way), each part changes the picture, and weight 0 gives the base back."""
+    import torch
+    from safetensors.torch import save_file
+
+    from backend.lora.library import denoiser_skeletons, encoder_skeletons
+
+    _, url = server
+    _, denoisers = denoiser_skeletons("demo:qwen-image", data_dir)
+    encoder = encoder_skeletons("demo:qwen-image", data_dir)["text_encoder"]
+    gen, tensors = torch.Generator().manual_seed(5), {}
+    for prefix, module, ends in (("lora_te_", encoder, ("q_proj", "v_proj")),
+                                 ("lora_unet_", denoisers["transformer"], ("attn.to_q", "attn.to_v"))):
+        for name, layer in module.named_modules():
+            if isinstance(layer, torch.nn.Linear) and name.endswith(ends) and "visual" not in name:
+                key = prefix + name.replace(".", "_")
+                tensors[f"{key}.lora_down.weight"] = torch.randn(4, layer.in_features, generator=gen) * 0.4
+                tensors[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, 4, generator=gen) * 0.4
+                tensors[f"{key}.alpha"] = torch.tensor(4.0)
+    path = data_dir / "adapters" / "te-style.safetensors"
+    save_file(tensors, str(path))
+    try:
+        row = next(a for a in httpx.get(f"{url}/v1/loras", timeout=120).json()["library"] if a["name"] == "te-style")
+        assert row["fit"]["ok"] and "text encoders: text_encoder:" in row["fit"]["summary"], row
+        base, both = _image(url), _image(url, lora={"name": "te-style", "scale": 1.0})
+        unet = _image(url, lora={"name": "te-style", "scale": {"transformer": 1.0, "text_encoder": 0.0}})
+        te = _image(url, lora={"name": "te-style", "scale": {"transformer": 0.0, "text_encoder": 1.0}})
+        for picture in (both, unet, te):
+            assert np.abs(picture.astype(int) - base.astype(int)).mean() > 1.0
+        assert not np.array_equal(unet, te) and not np.array_equal(both, unet) and not np.array_equal(both, te)
+        assert np.array_equal(_image(url, prompt=f"{FAST['prompt']} <lora:te-style:0:1>"), unet)  # te 0, unet 1
+        assert np.array_equal(_image(url, prompt=f"{FAST['prompt']} <lora:te-style:te=1:unet=0>"), te)
+        assert np.array_equal(_image(url, prompt=f"{FAST['prompt']} <lora:te-style:1>"), both)
+        assert np.array_equal(_image(url, lora={"name": "te-style", "scale": 0.0}), base)
+        assert np.array_equal(_image(url), base)  # the encoder's merged layers came off exactly
+    finally:
+        path.unlink()

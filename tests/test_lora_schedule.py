@@ -265,6 +265,9 @@ def test_ui_stack_takes_the_text_forms_and_restores_them():
                        {"name": "c", "scale": 0.7}, {"name": "d", "scale": {"scale": 0.8, "blocks": {"0-9": 0.5}}}]
     assert adapter_payload(stack_from_payload(payload), two_stage=True) == payload  # a result's settings come back
     assert [e.get("schedule", "") for e in stack_from_payload(payload)][:3] == ["1,0.8,0.5", "0.5->1", ""]
+    apart = [{"name": "te", "scale": {"text_encoder": 0.5, "denoisers": 1.0}}]  # #28 item 3: not a split pair
+    assert stack_from_payload(apart)[0]["schedule"] == '{"text_encoder": 0.5, "denoisers": 1.0}'
+    assert adapter_payload(stack_from_payload(apart), two_stage=True) == apart
     assert adapters_label(payload) == 'a@[1.0,0.8,0.5], b@0.5->1, c@0.7, ' \
         'd@{"scale":0.8,"blocks":{"0-9":0.5}}'
     with pytest.raises(InvalidParameter, match=r"a: weight over steps\[1\]: 'x' is not a number"):

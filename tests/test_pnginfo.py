@@ -228,3 +228,18 @@ def test_a_results_infotext_reads_back_as_the_same_settings():
     assert got["adapters"] == [{"name": "ink", "scale": 0.5}]
     assert got["extra"] == {"Model": "demo:qwen-image", "Distill preset": "qwen-image-2512-lightning-4step",
                             "LoRA weights not shown as tags": "two"}
+
+
+def test_text_encoder_weights_apart_are_written_and_read_as_a1111s_te_unet_tag():
+    """#28 item 3: an adapter run with one weight on its text encoders and another on its denoisers is written
+    ``<lora:NAME:TE:UNET>`` (A1111's order) and read back as the same weights; a tag A1111 accepts but we do
+    not run (its dynamic rank) still reads at weight 1 here, so the rest of the settings load."""
+    from backend.pnginfo import infotext
+
+    meta = {"adapters": [{"name": "style", "scale": {"transformer": 1.0, "text_encoder": 0.25,
+                                                     "text_encoder_2": 0.25}}],
+            "params": {"prompt": "a cat", "seed": 5, "num_inference_steps": 4, "width": 64, "height": 64}}
+    text = infotext(meta)
+    assert text.splitlines()[0] == "a cat <lora:style:0.25:1>", text
+    assert parse_a1111(text)["adapters"] == [{"name": "style", "scale": {"text_encoder": 0.25, "denoisers": 1.0}}]
+    assert parse_a1111("a dog <lora:x:0.5:1:8>\nSteps: 4, Sampler: Euler, Seed: 1")["adapters"] == [{"name": "x", "scale": 1.0}]

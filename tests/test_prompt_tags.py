@@ -42,3 +42,20 @@ def test_a_tag_between_two_commas_leaves_one():
     got = parse_a1111("a cat, <lora:ink:0.5>, sitting\nSteps: 3, Seed: 1, Size: 64x64")
     assert got["params"]["prompt"] == "a cat, sitting"
     assert prompt_tags.tidy("a , , , b") == "a, b" and prompt_tags.tidy(", x ,") == "x"
+
+
+def test_two_weights_read_as_a1111_reads_them_text_encoder_first():
+    """#28 item 3: A1111's <lora:NAME:TE:UNET> (extensions-builtin/Lora/extra_networks_lora.py): the first number
+    is the text encoders' weight, the second the denoisers' (the first when alone); te= / unet= name them."""
+    def scale(tag):
+        return prompt_tags.split(f"a {tag}")[1][0].get("scale")
+
+    assert scale("<lora:x:0.5:1>") == {"text_encoder": 0.5, "denoisers": 1.0}
+    assert scale("<lora:x:0.7:0.7>") == 0.7 and scale("<lora:x:0.7>") == 0.7
+    assert scale("<lora:x:unet=0.3>") == {"text_encoder": 1.0, "denoisers": 0.3}  # A1111: te defaults to 1
+    assert scale("<lora:x:0.2:unet=0.9>") == {"text_encoder": 0.2, "denoisers": 0.9}
+    assert scale("<lora:x:te=0:unet=1>") == {"text_encoder": 0.0, "denoisers": 1.0}
+    for tag, fragment in (("<lora:x:1:1:8>", "dynamic rank"), ("<lora:x:dyn=8>", "dyn= is not supported"),
+                          ("<lora:x:1:two>", "is not a number")):
+        with pytest.raises(InvalidParameter, match=fragment):
+            prompt_tags.split(tag)

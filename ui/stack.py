@@ -50,15 +50,17 @@ def stack_from_payload(adapters: list[dict]) -> list[dict]:
 
 def schedule_text(scale) -> str:
     """A scale the weight boxes cannot show, as the "over steps" field's text ("" for a number or
-    numbers per transformer): ``1.0,0.8,0.5``, ``0.5->1.0``, else JSON."""
+    numbers per transformer): ``1.0,0.8,0.5``, ``0.5->1.0``, else JSON (weights per step or block, per text
+    encoder)."""
     import json
 
     if isinstance(scale, list):
         return ",".join(f"{v:g}" for v in scale)
     if isinstance(scale, dict) and set(scale) == {"start", "end"}:
         return f"{scale['start']:g}->{scale['end']:g}"
-    if isinstance(scale, dict) and not all(isinstance(v, (int, float)) for v in scale.values()):
-        return json.dumps(scale)
+    if isinstance(scale, dict) and (not all(isinstance(v, (int, float)) for v in scale.values())
+                                    or not set(scale) <= {"transformer", "transformer_2"}):
+        return json.dumps(scale)  # e.g. text-encoder weights apart: {"text_encoder": 0.5, "denoisers": 1}
     return ""
 
 

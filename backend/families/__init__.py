@@ -73,6 +73,9 @@ class LoraRouting:
     # "module:Class" of the family's LoRA hooks around the one engine (backend/lora/family.py: convert,
     # fit targets, per-request checks, who serves requests); None: the generic ``LoRAFamily``
     hooks: str | None = None
+    # the pipeline components a LoRA's text-encoder layers (kohya ``lora_te*_``, ``text_encoder*.``) may
+    # change, where the checkpoint carries them; empty: such keys are refused by name
+    text_encoders: tuple = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 @dataclass(frozen=True)

@@ -30,5 +30,5 @@ FAMILY = Family(
     demo_models=("demo:minimax-h3",),
     tasks=TASKS,
     # distill=None: the generic fuse path does not take MiniMax; its runtime fuses Turbo files itself
-    lora=LoraRouting(hooks="backend.minimax.adapters:MiniMaxLoRAFamily", distill=None),
+    lora=LoraRouting(hooks="backend.minimax.adapters:MiniMaxLoRAFamily", distill=None, text_encoders=()),
 )

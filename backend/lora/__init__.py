@@ -35,7 +35,8 @@ def attach(manager, *, max_loras: int = 4, max_cpu_loras: int = 16, preload=None
     if fixed is not None and lora_mode not in (None, "auto", fixed):
         raise InvalidParameter(f"--lora-mode {lora_mode} conflicts with {options.get('mode_fixed_by')}; use "
                                f"--lora-mode {fixed}", param="lora_mode")
-    engine = LoRAEngine(manager.pipeline, manager.denoisers(), model=manager.model_id or "model",
+    engine = LoRAEngine(manager.pipeline, manager.denoisers(), encoders=manager.encoders(),
+                        model=manager.model_id or "model",
                         max_loras=max_loras, max_cpu_loras=max_cpu_loras, pristine=pristine,
                         lora_mode=fixed or lora_mode, family=family, **options)
     family.bind(manager, engine)

@@ -43,24 +43,28 @@ class LoadedAdapter:
             return True
 
 
-def fit_adapter(path, pipeline_cls, denoisers: dict[str, torch.nn.Module], name: str | None = None) -> FitReport:
-    """The fit report of an adapter against the given denoisers (meta-device skeletons work)."""
-    return _read_and_fit(path, hooks_for(pipeline_cls), denoisers, name)[1]
+def fit_adapter(path, pipeline_cls, denoisers: dict[str, torch.nn.Module], name: str | None = None,
+                encoders: dict[str, torch.nn.Module] | None = None) -> FitReport:
+    """The fit report of an adapter against the given denoisers and text encoders (meta-device skeletons
+    work)."""
+    return _read_and_fit(path, hooks_for(pipeline_cls), denoisers, name, encoders)[1]
 
 
-def _read_and_fit(path, family: LoRAFamily, denoisers, name):
+def _read_and_fit(path, family: LoRAFamily, denoisers, name, encoders=None):
     """Read, convert (the family's hook) and fit (the shared report): (raw, report, converted)."""
     with single_threaded():  # hundreds of small-tensor ops: parallel regions only add barriers
         raw = read_tensors(path, name)
-        converted = family.convert(raw, denoisers)
-        report = family.fit(converted, denoisers, adapter=name or raw.record.name, file=str(raw.record.file))
+        converted = family.convert(raw, denoisers, encoders)
+        report = family.fit(converted, denoisers, adapter=name or raw.record.name, file=str(raw.record.file),
+                            encoders=encoders)
     return raw, report, converted
 
 
 def load_adapter(path, pipeline_cls, denoisers: dict[str, torch.nn.Module], *, name: str, int_id: int,
-                 model: str, family: LoRAFamily | None = None) -> LoadedAdapter:
+                 model: str, family: LoRAFamily | None = None,
+                 encoders: dict[str, torch.nn.Module] | None = None) -> LoadedAdapter:
     """Read, convert and fit; raises AdapterError (with ``.report``) when it does not fit."""
-    raw, report, converted = _read_and_fit(path, family or hooks_for(pipeline_cls), denoisers, name)
+    raw, report, converted = _read_and_fit(path, family or hooks_for(pipeline_cls), denoisers, name, encoders)
     report.raise_if_refused(model)
     return LoadedAdapter(name=name, int_id=int_id, record=raw.record, report=report, stamp=raw.stamp,
                          data=converted.data)

@@ -63,11 +63,16 @@ class ConvertedAdapter:
 
 
 def convert(raw: RawAdapter, pipeline_cls, default_component: str = "transformer",
-            denoisers: dict[str, torch.nn.Module] | None = None) -> ConvertedAdapter:
+            denoisers: dict[str, torch.nn.Module] | None = None,
+            encoders: dict[str, torch.nn.Module] | None = None) -> ConvertedAdapter:
     """Factors of ``raw`` in diffusers naming, grouped by component. DoRA magnitudes are bound to their
-    layers by the denoisers' own names (``denoisers``; without them a DoRA file is refused)."""
+    layers by the denoisers' own names (``denoisers``; without them a DoRA file is refused). Text-encoder
+    layers (kohya ``lora_te*_``, diffusers ``text_encoder*.``) are read here against ``encoders``' own
+    module names (diffusers' converters for these families drop or mangle them); with no such encoder
+    they are reported unmatched, by name."""
     rec = raw.record
     tensors = dict(raw.tensors)
+    names = ModuleNames(denoisers or {}, default_component, encoders)
     magnitudes = {k: tensors.pop(k) for k in list(tensors) if k.endswith(DORA_SUFFIXES)}
     if not magnitudes and (rec.peft_config or {}).get("use_dora"):
         raise AdapterError(f"{rec.path}: use_dora=true in adapter_config.json but no lora_magnitude_vector keys",
@@ -77,6 +82,7 @@ def convert(raw: RawAdapter, pipeline_cls, default_component: str = "transformer
     ignored: list[tuple[str, str]] = []
     unmatched: list[tuple[str, str]] = []
     configs: dict[str, dict] = {}
+    encoder_keys: dict = {}
 
     if rec.format in ("peft", "peft-dump"):
         sd = {}
@@ -90,17 +96,20 @@ def convert(raw: RawAdapter, pipeline_cls, default_component: str = "transformer
         if rec.peft_config is not None:
             configs = {default_component: rec.peft_config}
     else:
+        configs = _configs_from_metadata(rec.metadata)
+        encoder_keys = {k: tensors.pop(k) for k in list(tensors) if encoder_of(k) is not None}
         if rec.format == "lightx2v":
             tensors = _drop_norm_diffs(tensors, ignored, unmatched)
-        try:
-            sd = pipeline_cls.lora_state_dict(tensors)
-        except Exception as exc:  # noqa: BLE001 - the converters raise ValueError/KeyError/IndexError
-            detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else exc.__class__.__name__
-            raise AdapterError(f"{rec.file}: diffusers' {pipeline_cls.__name__} converter could not read this "
-                               f"{rec.format} LoRA ({detail})", param="lora_path") from None
-        if isinstance(sd, tuple):  # some loaders also return network alphas
-            sd = sd[0]
-        configs = _configs_from_metadata(rec.metadata)
+        sd = {}
+        if tensors or not encoder_keys:
+            try:
+                sd = pipeline_cls.lora_state_dict(tensors)
+            except Exception as exc:  # noqa: BLE001 - the converters raise ValueError/KeyError/IndexError
+                detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else exc.__class__.__name__
+                raise AdapterError(f"{rec.file}: diffusers' {pipeline_cls.__name__} converter could not read this "
+                                   f"{rec.format} LoRA ({detail})", param="lora_path") from None
+            if isinstance(sd, tuple):  # some loaders also return network alphas
+                sd = sd[0]
 
     groups: dict[str, dict[str, LayerFactors]] = {}
     parts: dict[tuple[str, str], dict] = {}
@@ -127,9 +136,68 @@ def convert(raw: RawAdapter, pipeline_cls, default_component: str = "transformer
         scaling = _scaling(configs.get(comp), module, r)
         groups.setdefault(comp, {})[module] = LayerFactors(
             tensors=found, scaling=scaling, keys={p: f"{comp}.{module}.{p}" for p in found})
+    if rec.format not in ("peft", "peft-dump") and encoder_keys:
+        _encoder_layers(encoder_keys, names, configs, groups, unmatched)
     if magnitudes:
-        _bind_magnitudes(magnitudes, groups, unmatched, ModuleNames(denoisers, default_component))
+        _bind_magnitudes(magnitudes, groups, unmatched, names)
     return ConvertedAdapter(groups=groups, unmatched=unmatched, ignored=ignored)
+
+
+# -- text-encoder layers ----------------------------------------------------------------------------
+# kohya sd-scripts names a text encoder's layers ``lora_te_`` (one encoder: SD1.x), ``lora_te1_`` /
+# ``lora_te2_`` (SDXL; SD3's CLIP-L / CLIP-G) and ``lora_te3_`` (SD3's T5), the module path with dots as
+# ``_`` (sd-scripts networks/lora.py, lora_sd3.py); diffusers' save_lora_weights writes ``text_encoder.``,
+# ``text_encoder_2.``, ``text_encoder_3.`` and the module path dotted. The longest prefix is tried first.
+KOHYA_ENCODERS = (("lora_te1_", "text_encoder"), ("lora_te2_", "text_encoder_2"), ("lora_te3_", "text_encoder_3"),
+                  ("lora_te_", "text_encoder"))
+ENCODER_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+# a text-encoder layer's LoRA parts (kohya's and diffusers' names) -> diffusers' part
+_ENCODER_PARTS = ((".lora_down.weight", "lora_A.weight"), (".lora_up.weight", "lora_B.weight"),
+                  (".lora_A.weight", "lora_A.weight"), (".lora_B.weight", "lora_B.weight"),
+                  (".lora_B.bias", "lora_B.bias"), (".alpha", "alpha"))
+
+
+def encoder_of(key: str) -> tuple[str, str] | None:
+    """(text-encoder component, the rest of the key) when ``key`` names a text-encoder layer, else None."""
+    for prefix, comp in KOHYA_ENCODERS:
+        if key.startswith(prefix):
+            return comp, key[len(prefix):]
+    head, dot, rest = key.partition(".")
+    if dot and head in ENCODER_COMPONENTS:
+        return head, rest
+    return None
+
+
+def _encoder_layers(tensors: dict, names: "ModuleNames", configs: dict, groups: dict, unmatched: list) -> None:
+    """Text-encoder keys -> ``LayerFactors`` under the encoder's component (kohya's ``alpha / rank`` or
+    the saved config's scale, 1 without either, as for the denoisers' layers)."""
+    found: dict[tuple[str, str], dict] = {}
+    alphas: dict[tuple[str, str], float] = {}
+    for key, t in tensors.items():
+        part = next(((suffix, p) for suffix, p in _ENCODER_PARTS if key.endswith(suffix)), None)
+        if part is None:
+            unmatched.append((key, "not a LoRA part of a text-encoder layer (lora_down / lora_up / alpha or "
+                                   "lora_A / lora_B)"))
+            continue
+        where = names.locate(key[: -len(part[0])])
+        if isinstance(where, str):
+            unmatched.append((key, where))
+            continue
+        if part[1] == "alpha":
+            alphas[where] = float(t)
+        else:
+            found.setdefault(where, {})[part[1]] = (key, t)
+    for (comp, module), parts in found.items():
+        if "lora_A.weight" not in parts or "lora_B.weight" not in parts:
+            have = ", ".join(sorted(parts))
+            unmatched += [(key, f"incomplete layer: only {have}") for key, _ in parts.values()]
+            continue
+        r = int(parts["lora_A.weight"][1].shape[0])
+        alpha = alphas.get((comp, module))
+        scaling = alpha / r if alpha is not None and r else _scaling(configs.get(comp), module, r)
+        groups.setdefault(comp, {})[module] = LayerFactors(
+            tensors={p: t for p, (_, t) in parts.items()}, scaling=scaling,
+            keys={p: key for p, (key, _) in parts.items()})
 
 
 def _bind_magnitudes(magnitudes: dict, groups: dict, unmatched: list, names: "ModuleNames") -> None:
@@ -327,17 +395,19 @@ _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", 
 class ModuleNames:
     """A key's module part -> (component, diffusers module path) of a Linear layer, from the denoisers'
     own names: dotted as they are, with dots written as ``_`` (kohya, LyCORIS), or Wan's original names
-    (ComfyUI)."""
+    (ComfyUI); a text-encoder key (``encoder_of``) from that encoder's names (``encoders``)."""
 
-    def __init__(self, denoisers: dict[str, torch.nn.Module], default: str):
+    def __init__(self, denoisers: dict[str, torch.nn.Module], default: str,
+                 encoders: dict[str, torch.nn.Module] | None = None):
         self.denoisers = denoisers
+        self.encoders = dict(encoders or {})
         self.default = default if default in denoisers or not denoisers else next(iter(denoisers))
         self.components = sorted(denoisers, key=len, reverse=True)  # transformer_2 before transformer
         self._maps: dict[str, tuple[set, dict]] = {}
 
     def _names(self, comp: str) -> tuple[set, dict]:
         if comp not in self._maps:
-            module = self.denoisers.get(comp)
+            module = self.denoisers.get(comp, self.encoders.get(comp))
             if module is None:
                 module = self.denoisers.get(self.default)
             dotted = set() if module is None else \
@@ -350,8 +420,13 @@ class ModuleNames:
 
     def locate(self, head: str):
         """(component, module), or why the key names none (a string)."""
-        if head.startswith(("lora_te", "text_encoder")):
-            return "a text-encoder layer: only the denoisers' layers are read here"
+        encoder = encoder_of(head)
+        if encoder is not None:
+            comp, name = encoder
+            if comp not in self.encoders:
+                have = ", ".join(self.encoders) or "none this model's adapters may change"
+                return f"a layer of {comp} (a text encoder; text encoders here: {have})"
+            return self._lookup(comp, name.removeprefix("base_model.model."), wan=False)
         name, comp = head, self.default
         for c in self.components:
             if name.startswith(c + "."):
@@ -361,6 +436,10 @@ class ModuleNames:
             if name.startswith(prefix):
                 name = name[len(prefix):]
                 break
+        return self._lookup(comp, name)
+
+    def _lookup(self, comp: str, name: str, wan: bool = True):
+        """(comp, module) for a module name as dotted, underscored or (``wan``) Wan's original; else why not."""
         dotted, underscored = self._names(comp)
         if name in dotted:
             return comp, name
@@ -369,7 +448,7 @@ class ModuleNames:
             return comp, hits[0]
         if hits:
             return f"{name!r} could be any of {', '.join(sorted(hits)[:3])}"
-        original = wan_module(name)  # ComfyUI keeps Wan's original module names
-        if original in dotted:
+        original = wan_module(name) if wan else None  # ComfyUI keeps Wan's original module names
+        if original is not None and original in dotted:
             return comp, original
         return f"no Linear layer {name[:120]!r} in {comp}"

@@ -99,6 +99,7 @@ def identity_of(entry: LoadedAdapter) -> Identity:
 
 class LoRAEngine:
     def __init__(self, pipeline, denoisers: dict[str, torch.nn.Module], *, model: str = "model",
+                 encoders: dict[str, torch.nn.Module] | None = None,
                  max_loras: int = 4, max_cpu_loras: int = 16, pristine: str = "auto",
                  lora_mode: str | None = None, family=None, factor_device=None,
                  mode_fixed_by: str | None = None):
@@ -118,15 +119,18 @@ class LoRAEngine:
         if mode_fixed_by is not None and lora_mode not in ("merge", "unfused"):
             raise InvalidParameter("a fixed lora_mode must be merge or unfused", param="lora_mode")
         self.denoisers = dict(denoisers)
+        # text encoders a LoRA's ``lora_te*`` / ``text_encoder*.`` layers change: merged always (they run
+        # once per request, before the first step), whatever mode the denoisers' layers are served in
+        self.encoders = {c: m for c, m in (encoders or {}).items() if c not in self.denoisers}
         self.model = model
         self.cache = TwoTierCache(max_loras, max_cpu_loras)  # keyed by adapter identity
         self.pristine_mode = pristine
-        placement, why = pristine_mod.choose(pristine, self.denoisers)
-        pristine_mod.check_host_memory(placement, self.denoisers)
+        placement, why = pristine_mod.choose(pristine, self.targets)
+        pristine_mod.check_host_memory(placement, self.targets)
         self.pristine = pristine_mod.PristineStore(placement)
         self.pristine_reason = why
-        self.targetable_bytes = pristine_mod.targetable_bytes(self.denoisers)
-        self._params = {c: dict(m.named_parameters()) for c, m in self.denoisers.items()}
+        self.targetable_bytes = pristine_mod.targetable_bytes(self.targets)
+        self._params = {c: dict(m.named_parameters()) for c, m in self.targets.items()}
         # quantized bases (backend/quant.py): factors in each layer's compute dtype, served unfused only
         from .. import quant
         self._compute = quant.compute_dtypes(self.denoisers)
@@ -149,6 +153,11 @@ class LoRAEngine:
         from .unfused import UnfusedServing
         self.unfused = UnfusedServing(self, lora_mode)
 
+    @property
+    def targets(self) -> dict[str, torch.nn.Module]:
+        """Every component an adapter may change: the denoisers, then the text encoders."""
+        return {**self.denoisers, **self.encoders}
+
     # -- loading (CPU; never touches the model) -------------------------------------------------
     def load(self, request: LoRARequest, *, pin: bool = False) -> LoadedAdapter:
         """Make sure an adapter is in the CPU tier (reading it from disk if needed)."""
@@ -168,7 +177,8 @@ class LoRAEngine:
                                   "the request gives no lora_path", param="lora_path")
         # read + convert + fit outside the lock: disk and CPU work only
         loaded = load_adapter(path, self.pipeline_cls, self.denoisers, name=request.lora_name,
-                              int_id=request.lora_int_id, model=self.model, family=self.family)
+                              int_id=request.lora_int_id, model=self.model, family=self.family,
+                              encoders=self.encoders)
         with self._lock:
             self.counters["loads_from_disk"] += 1
             new = identity_of(loaded)
@@ -241,7 +251,7 @@ class LoRAEngine:
                 return
             self.denoisers[name] = module
             self._params[name] = dict(module.named_parameters())
-            self.targetable_bytes = pristine_mod.targetable_bytes(self.denoisers)
+            self.targetable_bytes = pristine_mod.targetable_bytes(self.targets)
             self.unfused.add_denoiser(name, module)
 
     def unload(self, name_or_id) -> None:
@@ -281,7 +291,9 @@ class LoRAEngine:
     def active_identities(self) -> set:
         """The adapters in use now (merged or served unfused): never to be evicted by a prefetch."""
         with self._lock:
-            return {ident for ident, _ in self._active_key if isinstance(ident, tuple)} | \
+            # an activation key's items are (identity, scales) pairs; an unfused or batch key starts with a word
+            return {item[0] for item in self._active_key if isinstance(item, tuple) and len(item) == 2
+                    and isinstance(item[0], tuple)} | \
                 {ident for items in self._merged.values() for ident, _ in items}
 
     def exclusive(self):
@@ -323,6 +335,7 @@ class LoRAEngine:
         with self._lock:
             self.counters["activations"] += 1
             loaded, key, meta = self.canonical(adapters, steps)
+            self.merge_encoders(loaded)  # text encoders: merged in every mode
             # -- merge or unfused (backend/lora/unfused.py): served unfused = hooks, no weight write --
             if self.unfused.serve(loaded, key, meta, steps=steps, mode=mode, queued_same=queued_same):
                 return [dict(m) for m in self._active_meta]
@@ -368,6 +381,22 @@ class LoRAEngine:
     def deactivate(self) -> None:
         self.activate([])
 
+    def merge_encoders(self, loaded) -> None:
+        """Merge the text-encoder layers of a canonical set (``canonical``'s ``loaded``), and put back those
+        it no longer touches; denoiser layers are left as they are. The encoder runs once per request, so
+        its layers are merged whichever way the denoisers' are served (merged, unfused hooks, a mixed
+        batch). A refusal (a non-finite merge) leaves the base model active everywhere: hooks off too."""
+        if not self.encoders:
+            return
+        plan = self._plan(loaded, self.encoders)
+        if not plan and not any(c in self.encoders for c, _ in self._merged):
+            return
+        try:
+            self._apply(plan, {ident: e for ident, e, _ in loaded}, only=self.encoders)
+        except AdapterError:
+            self.unfused.clear()
+            raise
+
     @contextlib.contextmanager
     def rebase(self):
         """Adopt the current weights as the new base, e.g. around a distill fuse or restore.
@@ -400,13 +429,23 @@ class LoRAEngine:
             parsed = schedule.parse(1.0 if scale is None else _finite(scale), "lora_scale")
         if parsed.default is None:
             for comp, value in parsed.components:
-                if comp not in self.denoisers:
+                if comp == schedule.DENOISERS or comp == "text_encoder" and self.encoders:
+                    continue  # groups: every denoiser / text encoder the adapter binds to, unless named alone
+                if comp not in self.targets:
+                    encoders = f"; text encoders: {', '.join(self.encoders)}" if self.encoders else ""
                     raise InvalidParameter(f"lora_scale names component {comp!r}; {self.model} has "
-                                           f"{', '.join(self.denoisers)}", param="lora_scale")
+                                           f"{', '.join(self.denoisers)}{encoders}", param="lora_scale")
                 if not (value.plain and value.steps.constant == 0.0) and comp not in bound:
                     raise InvalidParameter(f"adapter {entry.name!r} does not bind to {comp!r} "
                                            f"(it binds to {', '.join(bound)})", param="lora_scale")
         per = parsed.per_component(bound)
+        if parsed.default is None:  # the groups fill the components not named alone
+            given = dict(parsed.components)
+            per = schedule.fill_groups(given, bound, self.encoders)
+            nonzero = [c for c, v in given.items() if not (v.plain and v.steps.constant == 0.0)]
+            if nonzero and not per:  # a group for what the adapter has none of: say so rather than run the base
+                raise InvalidParameter(f"adapter {entry.name!r} binds to {', '.join(bound)}; lora_scale gives "
+                                       f"weights to {', '.join(nonzero)} only", param="lora_scale")
         out = {}
         for comp in bound:
             value = per.get(comp)
@@ -414,6 +453,10 @@ class LoRAEngine:
                 out[comp] = 0.0
                 continue
             where = "lora_scale" if parsed.default is not None else f"lora_scale.{comp}"
+            if comp in self.encoders and not value.plain:
+                raise InvalidParameter(f"{where}: {comp} is a text encoder, which runs once per request: give it "
+                                       "one number (a schedule over steps or block weights apply to the "
+                                       f"denoisers: {', '.join(self.denoisers)})", param="lora_scale")
             if value.scheduled:
                 if not steps:
                     raise InvalidParameter(f"{where}: a schedule over steps needs the request's steps",
@@ -428,10 +471,11 @@ class LoRAEngine:
         lists = getattr(self, "_blocks_cache", None)
         if lists is None:
             lists = self._blocks_cache = {c: schedule.block_lists(d) for c, d in self.denoisers.items()}
-        return lists[comp]
+        return lists.get(comp, [])
 
-    def _plan(self, loaded) -> dict[tuple[str, str], list]:
-        """(component, module) -> [(identity, scale)] (canonical order) for every layer the set touches.
+    def _plan(self, loaded, only=None) -> dict[tuple[str, str], list]:
+        """(component, module) -> [(identity, scale)] (canonical order) for every layer the set touches
+        (of the components in ``only``, when given: the denoisers, or the text encoders).
 
         A scale with block weights gives each layer its own (scale x its block's weight; a layer
         whose weight is 0 is left out); a step schedule's layers carry the block weight alone and
@@ -439,6 +483,8 @@ class LoRAEngine:
         plan: dict[tuple[str, str], list] = {}
         for ident, entry, scales in loaded:
             for comp, s in scales.items():
+                if only is not None and comp not in only:
+                    continue
                 for module in entry.bindings[comp].layers:
                     if isinstance(s, schedule.ComponentScale):
                         w = s.blocks.weight(schedule.block_of(module, self._block_lists(comp))) \
@@ -451,17 +497,19 @@ class LoRAEngine:
                     plan.setdefault((comp, module), []).append((ident, s))
         return plan
 
-    def _changed(self, plan) -> list[tuple[str, str]]:
-        """The layers (sorted) whose planned contributions differ from what is merged there now."""
-        return [t for t in sorted(set(plan) | set(self._merged)) if tuple(plan.get(t, ())) != self._merged.get(t, ())]
+    def _changed(self, plan, only=None) -> list[tuple[str, str]]:
+        """The layers (sorted) whose planned contributions differ from what is merged there now (of the
+        components in ``only``, when given)."""
+        return [t for t in sorted(set(plan) | set(self._merged)) if (only is None or t[0] in only)
+                and tuple(plan.get(t, ())) != self._merged.get(t, ())]
 
     @staticmethod
     def _contributions(plan, target, entries, device_factors) -> list:
         """One layer's contributions ``(factors, scale, name)`` in the plan's canonical order."""
         return [(device_factors[ident][target], s, entries[ident].name) for ident, s in plan.get(target, [])]
 
-    def _apply(self, plan, entries: dict[Identity, LoadedAdapter]) -> None:
-        changed = self._changed(plan)
+    def _apply(self, plan, entries: dict[Identity, LoadedAdapter], only=None) -> None:
+        changed = self._changed(plan, only)
         if not changed:
             return
         device_factors = self._device_factors(entries)
@@ -482,9 +530,10 @@ class LoRAEngine:
         self.counters["bytes_written"] += sum(self._params[c][f"{m}.weight"].numel() *
                                               self._params[c][f"{m}.weight"].element_size() for c, m in changed)
 
-    def restore_base(self) -> None:
-        """Put every merged layer back to its pristine original (the merge path's own restore)."""
-        self._apply({}, {})
+    def restore_base(self, only=None) -> None:
+        """Put every merged layer (of the components in ``only``, when given) back to its pristine original
+        (the merge path's own restore)."""
+        self._apply({}, {}, only)
 
     def _refusal(self, failed: _LayerWriteFailed) -> AdapterError:
         """The error for an activation refused at one layer (the base model is active again)."""

@@ -10,7 +10,8 @@ alpha (scale 1), so ``B @ A`` is the stack's delta term for term: merged at weig
 merges for the stack (the same GEMM over the same concatenated factors: bit for bit in fp32). Only plain
 weights fold into a file: a weight over steps or per block, and the merge-only kinds (LyCORIS, DoRA, whose
 delta is no low-rank product), are refused by name. No model weights are read: the adapters are fitted
-against the model's meta-device skeleton (``library.denoiser_skeletons``).
+against the model's meta-device skeletons (``library.denoiser_skeletons``, ``encoder_skeletons``): a
+text-encoder layer is written ``text_encoder.<module>...`` as diffusers writes it.
 
 The file says where it came from: ``modelspec.title``, a ``modelspec.description`` listing the stack, and
 ``lora_studio.exported_from`` (each adapter's name, sha256 and weight) in its header.
@@ -33,17 +34,19 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
 
     from ..outputs import _atomic_write
     from .adapter import load_adapter
-    from .library import denoiser_skeletons
+    from .library import denoiser_skeletons, encoder_skeletons
 
     if not resolved:
         raise InvalidParameter("name at least one adapter to export", param="lora")
     pipeline_cls, skeletons = denoiser_skeletons(model, data_dir)
+    encoders = encoder_skeletons(model, data_dir)
     layers: dict[tuple[str, str], list] = {}  # (component, module) -> [(A, B c, bias c)]
     sources = []
     for i, a in enumerate(resolved):
         where = f"lora[{i}]" if len(resolved) > 1 else "lora"
-        entry = load_adapter(a.path, pipeline_cls, skeletons, name=a.name, int_id=a.int_id, model=model)
-        weights = _weights(a.scale, entry.bindings, where)
+        entry = load_adapter(a.path, pipeline_cls, skeletons, name=a.name, int_id=a.int_id, model=model,
+                             encoders=encoders)
+        weights = _weights(a.scale, entry.bindings, where, encoders)
         for comp, binding in entry.bindings.items():
             for module, f in binding.layers.items():
                 if f.kind != "lora":
@@ -74,13 +77,17 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
     return {"path": str(out), "layers": len(layers), "rank": max(ranks), "from": sources}
 
 
-def _weights(scale, bindings: dict, where: str) -> dict[str, float]:
-    """A plain weight per component (a number for all, or {component: number}); anything else is refused."""
+def _weights(scale, bindings: dict, where: str, encoders) -> dict[str, float]:
+    """A plain weight per component (a number for all, or {component or group: number}); anything else is
+    refused."""
+    from .schedule import DENOISERS, fill_groups
+
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         return {comp: float(scale) for comp in bindings}
     if isinstance(scale, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                       for v in scale.values()) and set(scale) <= set(bindings) | {"transformer"}:
-        return {comp: float(v) for comp, v in scale.items()}
+                                       for v in scale.values()) and \
+            set(scale) <= set(bindings) | {"transformer", "text_encoder", DENOISERS}:
+        return {comp: float(v) for comp, v in fill_groups(scale, bindings, encoders).items()}
     raise InvalidParameter(f"{where}.scale: only plain weights fold into one file (a number, or one per "
                            "transformer); a weight over steps or per block does not", param=f"{where}.scale")
 

@@ -5,7 +5,7 @@ report, the two-tier LRU cache with pinning, the exact merge with its pristine r
 unfused hooks, the non-finite refusal and the stats. A family only says how its files become
 factors per component, and which per-request rules its adapters carry:
 
-- ``convert(raw, denoisers) -> Converted``: an adapter's tensors as read (``formats.RawAdapter``)
+- ``convert(raw, denoisers, encoders) -> Converted``: an adapter's tensors as read (``formats.RawAdapter``)
   to factors grouped per component (``ConvertedAdapter``), the component its generic
   ``transformer`` prefix binds to, and the family's own facts about the file (``data``: for
   MiniMax-H3 the sampling contract and the partition);
@@ -49,19 +49,20 @@ class LoRAFamily:
     def __init__(self, pipeline_cls=None):
         self.pipeline_cls = pipeline_cls
 
-    def convert(self, raw, denoisers: dict[str, torch.nn.Module]) -> Converted:
+    def convert(self, raw, denoisers: dict[str, torch.nn.Module], encoders=None) -> Converted:
         default = next(iter(denoisers), "transformer")
         if is_lycoris(raw.tensors):  # LoHa / LoKr / full diffs: read against the denoisers' names
-            return Converted(lycoris.convert(raw, denoisers, default))
-        return Converted(convert(raw, self.pipeline_cls, default_component=default, denoisers=denoisers))
+            return Converted(lycoris.convert(raw, denoisers, default, encoders))
+        return Converted(convert(raw, self.pipeline_cls, default_component=default, denoisers=denoisers,
+                                 encoders=encoders))
 
     def fit_targets(self, denoisers: dict[str, torch.nn.Module], converted: Converted) -> dict[str, torch.nn.Module]:
         return denoisers
 
     def fit(self, converted: Converted, denoisers: dict[str, torch.nn.Module], *, adapter: str,
-            file: str) -> FitReport:
+            file: str, encoders=None) -> FitReport:
         return fit(converted.adapter, self.fit_targets(denoisers, converted), adapter=adapter, file=file,
-                   generic=converted.generic)
+                   generic=converted.generic, encoders=encoders)
 
     def check(self, request: dict, adapters: list) -> object:
         """A request's family rules given its active adapters (``LoadedAdapter`` list); None: no rules."""

@@ -7,7 +7,8 @@ shapes for a mismatch), so a listing can show it before anyone generates.
 Binding rule for two-transformer models (Wan2.2): keys under the generic ``transformer``
 prefix bind to every denoiser whose layers they fit (both experts share one
 architecture), and a per-component scale weighs each; keys under ``transformer_2`` bind
-there only.
+there only. Text-encoder groups (``text_encoder``, ``text_encoder_2``...) bind to that encoder
+(``encoders``) only; the report counts their layers apart from the denoisers'.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class FitReport:
     ignored: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     matched: int = 0  # keys that bind (counted once when one group binds to two experts)
+    encoders: tuple = ()  # the bindings that are text encoders (their layers are counted apart)
 
     @property
     def ok(self) -> bool:
@@ -63,10 +65,18 @@ class FitReport:
     def matched_keys(self) -> int:
         return self.matched
 
+    @property
+    def encoder_layers(self) -> dict[str, int]:
+        """Text-encoder component -> layers bound there (the rest of ``bindings`` are denoisers)."""
+        return {c: len(b.layers) for c, b in self.bindings.items() if c in self.encoders}
+
     def summary(self) -> str:
         if self.ok:
-            parts = [f"{c}: {len(b.layers)} layers" for c, b in self.bindings.items()]
-            text = f"fits ({', '.join(parts)}; {self.matched_keys}/{self.total_keys} keys)"
+            parts = [f"{c}: {len(b.layers)} layers" for c, b in self.bindings.items() if c not in self.encoders]
+            encoders = [f"{c}: {len(b.layers)} layers" for c, b in self.bindings.items() if c in self.encoders]
+            if encoders:
+                parts.append(f"text encoders: {', '.join(encoders)}")
+            text = f"fits ({'; '.join(parts)}; {self.matched_keys}/{self.total_keys} keys)"
             if self.ignored:
                 text += f", {len(self.ignored)} zero keys ignored"
             return text
@@ -87,6 +97,7 @@ class FitReport:
         return {"adapter": self.adapter, "file": self.file, "ok": self.ok, "summary": self.summary(),
                 "total_keys": self.total_keys, "matched_keys": self.matched_keys,
                 "components": {c: b.modules for c, b in self.bindings.items()},
+                "encoder_layers": self.encoder_layers,
                 "unmatched": [{"key": k, "reason": r} for k, r in self.unmatched],
                 "mismatched": [{"key": m.key, "adapter_shape": list(m.adapter_shape),
                                 "model_shape": list(m.model_shape)} for m in self.mismatched],
@@ -101,21 +112,25 @@ class FitReport:
 
 
 def fit(converted: ConvertedAdapter, denoisers: dict[str, torch.nn.Module], *, adapter: str, file: str,
-        generic: str = "transformer") -> FitReport:
-    """Check every factor against the denoisers' Linear layers (works on meta-device skeletons)."""
+        generic: str = "transformer", encoders: dict[str, torch.nn.Module] | None = None) -> FitReport:
+    """Check every factor against the denoisers' (and text encoders') Linear layers (works on meta-device
+    skeletons)."""
+    encoders = dict(encoders or {})
     report = FitReport(adapter=adapter, file=file, total_keys=converted.num_keys,
-                       unmatched=list(converted.unmatched), ignored=list(converted.ignored))
+                       unmatched=list(converted.unmatched), ignored=list(converted.ignored),
+                       encoders=tuple(encoders))
     linears = {name: {n: m for n, m in mod.named_modules() if isinstance(m, torch.nn.Linear)}
-               for name, mod in denoisers.items()}
+               for name, mod in {**denoisers, **encoders}.items() if name in converted.groups
+               or (name in denoisers and generic in converted.groups)}
     primary = next(iter(denoisers), None)
     for comp, layers in converted.groups.items():
         if comp == generic and primary is not None:
             candidates = list(denoisers)
-        elif comp in denoisers:
+        elif comp in denoisers or comp in encoders:
             candidates = [comp]
         else:
-            why = (f"component {comp!r} is not a denoiser of this pipeline "
-                   f"(denoisers: {', '.join(denoisers) or 'none'})")
+            why = (f"component {comp!r} is not a denoiser or text encoder of this pipeline "
+                   f"(denoisers: {', '.join(denoisers) or 'none'}; text encoders: {', '.join(encoders) or 'none'})")
             report.unmatched += [(k, why) for f in layers.values() for k in f.keys.values()]
             continue
         results = {c: _check(layers, linears[c], c) for c in candidates}

@@ -205,6 +205,46 @@ def denoiser_skeletons(model_id: str, data_dir=None):
     return getattr(diffusers, resolved.class_name), out
 
 
+_encoder_skeletons: dict[tuple, dict] = {}  # (model dir, model_index.json stamp) -> {component: meta module}
+
+
+def encoder_skeletons(model_id: str, data_dir=None) -> dict:
+    """{component: module on the meta device} of the model's text encoders a LoRA may change (the family's
+    ``LoraRouting.text_encoders`` its ``model_index.json`` lists as transformers classes), from their configs
+    only; built once per model folder."""
+    import transformers
+
+    from ..models import resolve_model
+
+    resolved = resolve_model(model_id, data_dir)
+    index_file = Path(resolved.path) / "model_index.json"
+    try:
+        st = index_file.stat()
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    key = (str(index_file), st.st_mtime_ns, st.st_size)
+    if key in _encoder_skeletons:
+        return _encoder_skeletons[key]
+    out = {}
+    for comp in resolved.family.lora.text_encoders:
+        entry = index.get(comp)
+        folder = Path(resolved.path) / comp
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "transformers"
+                and (folder / "config.json").is_file()):
+            continue
+        cls = getattr(transformers, entry[1], None)
+        if cls is None:
+            continue
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            out[comp] = cls._from_config(config)
+    if len(_encoder_skeletons) > 8:
+        _encoder_skeletons.clear()
+    _encoder_skeletons[key] = out
+    return out
+
+
 def library_rows(model: str | None = None, adapter_dirs=None, data_dir=None) -> list[dict]:
     """Printable rows: name, format, rank, alpha, size, sha256, base model hint, fit, path.
 
@@ -218,7 +258,7 @@ def library_rows(model: str | None = None, adapter_dirs=None, data_dir=None) -> 
         from . import demo_adapters
 
         demo_root = demo_adapters.ensure(data_dir).resolve()
-    skeleton = denoiser_skeletons(model, data_dir) if model else None
+    skeleton = (*denoiser_skeletons(model, data_dir), encoder_skeletons(model, data_dir)) if model else None
     rows = []
     for entry in scan(adapter_dirs, data_dir, model):
         rec = entry.record
@@ -252,7 +292,7 @@ def _fit_row(model: str, entry: LibraryEntry, skeleton) -> dict:
         cached = _fits.get(key)
     if cached is None:
         try:
-            report = fit_adapter(entry.path, skeleton[0], skeleton[1], name=entry.name)
+            report = fit_adapter(entry.path, skeleton[0], skeleton[1], name=entry.name, encoders=skeleton[2])
             cached = {"fit": report.summary(), "fits": report.ok}
         except StudioError as exc:
             cached = {"fit": f"refused: {exc.message}", "fits": False}

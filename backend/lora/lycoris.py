@@ -50,13 +50,14 @@ NAMES = {"loha": "LoHa", "lokr": "LoKr", "full": "full diff"}
 
 
 
-def convert(raw: RawAdapter, denoisers: dict[str, torch.nn.Module], default_component: str) -> ConvertedAdapter:
+def convert(raw: RawAdapter, denoisers: dict[str, torch.nn.Module], default_component: str,
+            encoders: dict[str, torch.nn.Module] | None = None) -> ConvertedAdapter:
     """The LyCORIS layers of ``raw`` as ``LayerFactors`` (kind loha / lokr / full), grouped by component
     in diffusers naming; keys that name no layer, parts that do not make a layer, and layers whose parts
     disagree in shape are reported unmatched (the fit then refuses the adapter, naming them)."""
     rec = raw.record
     _refuse_dora(rec, raw.tensors)
-    names = ModuleNames(denoisers, default_component)
+    names = ModuleNames(denoisers, default_component, encoders)
     parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     keys: dict[tuple[str, str], dict[str, str]] = {}
     alphas: dict[tuple[str, str], tuple[str, float]] = {}

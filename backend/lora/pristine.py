@@ -32,7 +32,8 @@ HOST_HEADROOM = 1 << 30  # and this much host memory free beside the copies
 
 
 def targetable_bytes(denoisers: dict[str, torch.nn.Module]) -> int:
-    """Bytes of every Linear weight and bias of the denoisers: the most a pristine store can hold."""
+    """Bytes of every Linear weight and bias of the denoisers (and text encoders, where the engine may change
+    them): the most a pristine store can hold."""
     total = 0
     for module in denoisers.values():
         for sub in module.modules():
@@ -107,10 +108,10 @@ def check_host_memory(placement: str, denoisers: dict[str, torch.nn.Module]) -> 
 
 def describe(model_id: str, data_dir=None) -> str:
     """One line for ``app.py adapters --model M``: how much the originals can take and where auto puts them."""
-    from .library import denoiser_skeletons
+    from .library import denoiser_skeletons, encoder_skeletons
 
     _, skeletons = denoiser_skeletons(model_id, data_dir)
-    need = targetable_bytes(skeletons)
+    need = targetable_bytes({**skeletons, **encoder_skeletons(model_id, data_dir)})
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         where = ("on the GPU" if need <= free - DEVICE_HEADROOM * total else "in pinned host memory") + \

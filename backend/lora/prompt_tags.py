@@ -1,4 +1,4 @@
-"""A1111-style ``<lora:NAME:WEIGHT>`` tags in a prompt: one parser for the UI, the HTTP API
+"""A1111-style ``<lora:NAME:WEIGHT>`` (and ``<lora:NAME:TE:UNET>``) tags in a prompt: one parser for the UI, the HTTP API
 and the CLI.
 
 The tags are taken out of the text (the text encoder never sees them) and become adapter
@@ -20,30 +20,54 @@ def count(prompt: str) -> int:
 
 
 def split(prompt: str) -> tuple[str, list[dict]]:
-    """(the prompt without its tags, [{"name", "scale"}] in the order written)."""
+    """(the prompt without its tags, [{"name", "scale"}] in the order written).
+
+    The weights read as A1111 reads them (extensions-builtin/Lora/extra_networks_lora.py):
+    ``<lora:NAME:TE:UNET>``, the first number the text encoders' weight and the second the denoisers'
+    (the first when there is no second), or named, ``te=`` / ``unet=``. One weight for both is a plain
+    scale; two that differ become ``{"text_encoder": TE, "denoisers": UNET}`` (backend/lora/schedule.py's
+    groups)."""
     if not isinstance(prompt, str) or "<lora:" not in prompt.lower():
         return prompt, []
     adapters = []
     for match in TAG.finditer(prompt):
-        body = match.group(1)
-        name, _, rest = body.partition(":")
+        tag = match.group(0)
+        name, _, rest = match.group(1).partition(":")
         name = name.strip()
         if not name:
-            raise InvalidParameter(f"prompt: {match.group(0)!r} names no adapter (write <lora:NAME:WEIGHT>)",
+            raise InvalidParameter(f"prompt: {tag!r} names no adapter (write <lora:NAME:WEIGHT>)",
                                    param="prompt")
-        weight = rest.split(":")[0].strip() if rest else ""
-        if not weight:  # <lora:NAME>: the adapter's preferred weight (its A1111 sidecar), else 1.0
+        positional, named = [], {}
+        for field in (f.strip() for f in rest.split(":")) if rest.strip() else ():
+            key, eq, value = field.partition("=")
+            if eq:
+                key = key.strip().lower()
+                if key not in ("te", "unet"):
+                    raise InvalidParameter(f"prompt: {tag!r}: {key}= is not supported here (te= and unet= are)",
+                                           param="prompt")
+                named[key] = _weight(value, tag)
+            elif positional or field:
+                positional.append(_weight(field, tag))
+        if len(positional) > 2:
+            raise InvalidParameter(f"prompt: {tag!r}: a third number (A1111's dynamic rank) is not supported; "
+                                   "write <lora:NAME:TE:UNET>", param="prompt")
+        if not positional and not named:  # <lora:NAME>: the adapter's preferred weight (its A1111 sidecar), else 1.0
             adapters.append({"name": name})
             continue
-        try:
-            scale = float(weight)
-        except ValueError:
-            raise InvalidParameter(f"prompt: the weight in {match.group(0)!r} is not a number",
-                                   param="prompt") from None
-        if not math.isfinite(scale):
-            raise InvalidParameter(f"prompt: the weight in {match.group(0)!r} is not finite", param="prompt")
-        adapters.append({"name": name, "scale": scale})
+        te = named.get("te", positional[0] if positional else 1.0)
+        unet = named.get("unet", positional[1] if len(positional) > 1 else te)
+        adapters.append({"name": name, "scale": te if te == unet else {"text_encoder": te, "denoisers": unet}})
     return tidy(TAG.sub(" ", prompt)), adapters
+
+
+def _weight(text: str, tag: str) -> float:
+    try:
+        scale = float(text.strip())
+    except ValueError:
+        raise InvalidParameter(f"prompt: the weight in {tag!r} is not a number", param="prompt") from None
+    if not math.isfinite(scale):
+        raise InvalidParameter(f"prompt: the weight in {tag!r} is not finite", param="prompt")
+    return scale
 
 
 # Both patterns start a match only where a run of blanks starts (the look-behind), so each character is

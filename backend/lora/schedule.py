@@ -5,7 +5,10 @@ the CLI's ``--lora-scale`` and the UI's stack all call ``parse``). Pure Python: 
 
 Grammar (JSON)::
 
-    scale      := single | {COMPONENT: single, ...}           per expert (Wan2.2: transformer, transformer_2)
+    scale      := single | {COMPONENT: single, ...}           per expert (Wan2.2: transformer, transformer_2),
+                                                             per text encoder (text_encoder, text_encoder_2 ...);
+                                                             "denoisers" / "text_encoder": every one of the
+                                                             group not named on its own
     single     := steps | {"scale": steps, "blocks": blocks}   ("scale" optional, default 1.0)
     steps      := NUMBER                                     the same at every step (today's form)
                 | [NUMBER, ...]                              split evenly over the steps: with K values
@@ -144,6 +147,24 @@ class ComponentScale:
         if not (self.steps.kind == "constant" and self.steps.values[0] == 1.0):
             out["scale"] = self.steps.given()
         return out
+
+
+# a per-component key that stands for every denoiser the adapter binds to and the object does not name on
+# its own (the text encoders' group is ``text_encoder``: every encoder not named alone); A1111's
+# ``<lora:NAME:TE:UNET>`` becomes {"text_encoder": TE, "denoisers": UNET}
+DENOISERS = "denoisers"
+
+
+def fill_groups(given: dict, bound, encoders) -> dict:
+    """``{component: value}`` for the ``bound`` components from a per-component object ``given``: a component
+    named on its own keeps its value, the others take their group's (``text_encoder`` for the ``encoders``,
+    ``denoisers`` for the rest); a component with neither is left out (weight 0)."""
+    out = {}
+    for comp in bound:
+        group = "text_encoder" if comp in encoders else DENOISERS
+        if comp in given or group in given:
+            out[comp] = given[comp] if comp in given else given[group]
+    return out
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,16 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from ..errors import InvalidParameter
 from ..errors import LayerWriteFailed as _LayerWriteFailed
 from .convert import MERGE_ONLY
 from .policy import (BATCH_EFF_DEFAULTS, DEVICE_DEFAULTS, BatchInputs, Decision, PolicyInputs, check_mode, decide,
                      decide_batch)
+
+
+def _frozen(plan: dict) -> tuple:
+    """A plan ((component, module) -> [(identity, scale)]) as a hashable value, to compare sets' plans."""
+    return tuple(sorted((target, tuple(items)) for target, items in plan.items()))
 
 
 class _Hook:
@@ -207,7 +213,7 @@ class UnfusedServing:
         requested = self.mode if mode is None else check_mode(mode)
         self._repeats = self._repeats + 1 if key == self._last_key and key else 0
         self._last_key = key
-        plan = engine._plan(loaded)
+        plan = engine._plan(loaded, engine.denoisers)  # the text encoders' layers are merged (merge_encoders)
         if not plan:  # the base model: hooks off, merged layers restored by the merge path
             self._remove()
             self.last_decision = None
@@ -239,7 +245,7 @@ class UnfusedServing:
         except _LayerWriteFailed as failed:
             raise self._refuse(failed) from None
         self._remove()
-        engine.restore_base()  # layers left merged go back to pristine (no write when nothing is merged)
+        engine.restore_base(engine.denoisers)  # layers left merged go back to pristine (none: no write)
         self._install(hooks)
         self._tables = tables
         engine._active_key = ("unfused",) + tuple(key)
@@ -318,7 +324,7 @@ class UnfusedServing:
         and its entries (identity -> LoadedAdapter)."""
         engine, cfg = self.engine, self.config
         merge_bytes = sum(self._weight_bytes(t) for t in engine._changed(plan))
-        restore_bytes = sum(self._weight_bytes(t) for t in engine._merged)
+        restore_bytes = sum(self._weight_bytes(t) for t in engine._merged if t[0] in engine.denoisers)
         lowrank = 0
         per_comp: dict[str, int] = {}
         merge_only: dict[str, str] = {}  # adapter -> its kind without a low-rank form (LyCORIS, DoRA): merged only
@@ -381,6 +387,12 @@ class UnfusedServing:
             self._handles.append(layer.register_forward_hook(hook, with_kwargs=True))
         self.counters["hooks_installed"] += len(self._handles)
 
+    def clear(self) -> None:
+        """Hooks off and no set served: after a refusal that put the base model back."""
+        self._remove()
+        self._key = None
+        self.engine._active_key, self.engine._active_meta = (), []
+
     def _remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -407,7 +419,12 @@ class UnfusedServing:
             loaded_of = {key: loaded for loaded, key, _ in canon}
             sets = [distinct[key] for _, key, _ in canon]
             entries = {ident: e for loaded, _, _ in canon for ident, e, _ in loaded}
-            plans = {key: engine._plan(loaded_of[key]) for key in distinct}
+            encoder_plans = {key: engine._plan(loaded_of[key], engine.encoders) for key in distinct}
+            if len({_frozen(p) for p in encoder_plans.values()}) > 1:
+                raise InvalidParameter("the batch's adapters change the text encoders differently (the encoder "
+                                       "runs once for the whole batch): run these requests one by one",
+                                       param="lora_request")
+            plans = {key: engine._plan(loaded_of[key], engine.denoisers) for key in distinct}
             factors = engine._device_factors(entries)
             targets = sorted({t for plan in plans.values() for t in plan})
             try:  # every layer's factors first (and the finite checks): nothing is touched if one is refused
@@ -420,7 +437,8 @@ class UnfusedServing:
             except _LayerWriteFailed as failed:
                 raise self._refuse(failed) from None
             self._remove()
-            engine.restore_base()
+            engine.merge_encoders(next(iter(loaded_of.values())))  # the same for every set (checked above)
+            engine.restore_base(engine.denoisers)
             self._install(hooks)
             self.counters["batches"] += 1
             engine._active_key, engine._active_meta = ("batch",) + tuple(distinct), []
@@ -432,20 +450,25 @@ class UnfusedServing:
                 for handle in self._handles:
                     handle.remove()
                 self._handles = []
-                engine._active_key, engine._active_meta = (), []
+                # encoder layers the batch merged stay merged: a key no set has makes the next activation look
+                encoders_merged = any(c in engine.encoders for c, _ in engine._merged)
+                engine._active_key, engine._active_meta = ("after a batch",) if encoders_merged else (), []
 
     def decide_batch(self, adapter_sets: list, *, steps) -> dict:
         """Batch these jobs' sets in one call, or run them one by one? (``policy.decide_batch``: each job's
         own single-request inputs, the measured lone step time and the measured batch efficiency)."""
         engine = self.engine
         with engine.exclusive():
-            jobs, union = [], {}
+            jobs, union, encoder_plans = [], {}, set()
             for adapters in adapter_sets:
                 loaded, _, _ = engine.canonical(adapters)
-                plan = engine._plan(loaded)
+                encoder_plans.add(_frozen(engine._plan(loaded, engine.encoders)))
+                plan = engine._plan(loaded, engine.denoisers)
                 jobs.append(self.inputs(plan, {i: e for i, e, _ in loaded}, steps=steps) if plan else None)
                 for comp, module in plan:
                     union.setdefault(comp, set()).add(module)
+        if len(encoder_plans) > 1:  # the encoder runs once for the whole batch
+            return {"mode": "sequential", "reason": "the jobs' adapters change the text encoders differently"}
         n = len(adapter_sets)
         eff = self.batch_step_s.get(n)
         eff = eff / (n * self.step_s) if eff is not None and self.step_s else \

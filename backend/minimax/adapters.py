@@ -197,7 +197,8 @@ class MiniMaxLoRAFamily(LoRAFamily):
         self.checkpoint: SamplingContract | None = None  # the repository's pinned schedule (set by the runtime)
         self.fused: list[MiniMaxAdapter] = []  # distill files fused at start (their contracts govern too)
 
-    def convert(self, raw, denoisers: dict[str, torch.nn.Module]) -> Converted:
+    def convert(self, raw, denoisers: dict[str, torch.nn.Module], encoders=None) -> Converted:
+        """MiniMax-H3's adapters change its transformers only (its Qwen3-VL encoder is offloaded with it)."""
         config = next(iter(denoisers.values())).config
         adapter = from_raw(raw, raw.record.path, num_heads=int(config.num_attention_heads),
                            head_dim=int(config.attention_head_dim))
@@ -216,7 +217,7 @@ class MiniMaxLoRAFamily(LoRAFamily):
             module = self._skeleton
         return {partition: module}
 
-    def fit(self, converted: Converted, denoisers, *, adapter: str, file: str) -> FitReport:
+    def fit(self, converted: Converted, denoisers, *, adapter: str, file: str, encoders=None) -> FitReport:
         report = super().fit(converted, denoisers, adapter=adapter, file=file)
         converted.data = dataclasses.replace(converted.data, report=report)
         return report
