@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "preferred weight, else 1.0), in stack order")
     export.add_argument("--model", default=DEFAULT_MODEL, help="the model the stack is for (default: %(default)s)")
     export.add_argument("--output", "-o", required=True, metavar="FILE.safetensors", help="the file to write")
+    export.add_argument("--dtype", default="auto",
+                        help="the dtype the model is served in (auto: bfloat16 with CUDA, else float32): where "
+                             "adapters with different weights share a layer, the file is exact for that dtype")
     _common(export)
     return parser
 
@@ -422,9 +425,12 @@ def cmd_export_lora(args) -> int:
         else:
             spec["name"] = ref
         specs.append(spec)
-    written = export_stack(resolver.resolve(specs), args.model, out, data_dir=args.data_dir)
-    print(f"wrote {written['path']}: {written['layers']} layers, rank up to {written['rank']}, from "
-          + " + ".join(f"{s['name']} x{s['scale']}" for s in written["from"]))
+    from backend.manager import pick_device, pick_dtype
+
+    dtype = pick_dtype(args.dtype, pick_device("auto"))
+    written = export_stack(resolver.resolve(specs), args.model, out, data_dir=args.data_dir, dtype=dtype)
+    print(f"wrote {written['path']}: {written['layers']} layers, rank up to {written['rank']}, exact in "
+          f"{written['exact_in']}, from " + " + ".join(f"{s['name']} x{s['scale']}" for s in written["from"]))
     return 0
 
 

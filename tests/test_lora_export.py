@@ -26,21 +26,35 @@ def weights(m) -> dict:
     return {k: v.detach().clone() for k, v in m.denoisers()["transformer"].state_dict().items()}
 
 
-def test_the_exported_file_merges_to_the_stack_bit_for_bit(managers, library, data_dir, tmp_path):
-    m = managers(MODEL)
+@pytest.mark.parametrize("stack", [STACK, [{"name": "demo-inverted", "scale": 0.7}],
+                                   [{"name": "demo-inverted", "scale": 0.3}, {"name": "demo-outline", "scale": 0.3}],
+                                   [{"name": "demo-inverted", "scale": 0.7}, {"name": "demo-nine", "scale": 1 / 3}],
+                                   [{"name": "demo-outline", "scale": 0.7}, {"name": "demo-inverted", "scale": -0.4}]],
+                         ids=["two-weights", "one-adapter", "one-weight", "layers-apart", "stack-order-not-file-order"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_exported_file_merges_to_the_stack_bit_for_bit(stack, dtype, managers, library, data_dir, tmp_path):
+    """Every kind of layer: one adapter alone (its weight is the layer's alpha), several at one weight, several
+    at different weights (folded into B, ranks in the engine's order whatever the stack's); in fp32 and bf16
+    every parameter is the stack's merge, torch.equal."""
+    m = managers(MODEL, dtype)
     resolver = AdapterResolver([], data_dir, model=MODEL)
     out = tmp_path / "ink-film.safetensors"
-    written = export_stack(resolver.resolve(STACK), MODEL, out, data_dir=data_dir, title="ink-film")
-    assert written["layers"] > 0 and [s["name"] for s in written["from"]] == ["demo-inverted", "demo-outline"]
+    written = export_stack(resolver.resolve(stack), MODEL, out, data_dir=data_dir, title="ink-film",
+                           dtype=getattr(torch, dtype))
+    assert written["exact_in"] == dtype
+    assert written["layers"] > 0 and [s["name"] for s in written["from"]] == [a["name"] for a in stack]
     engine = m.lora_engine
-    stack = [(LoRARequest(a.name, next(_IDS), a.path), a.scale) for a in resolver.resolve(STACK)]
-    engine.activate(stack)
+    base = weights(m)
+    engine.activate([(LoRARequest(a.name, next(_IDS), a.path), a.scale) for a in resolver.resolve(stack)])
     want = weights(m)
     engine.activate([(LoRARequest("ink-film", next(_IDS), str(out)), 1.0)])
     got = weights(m)
     changed = [k for k in want if not torch.equal(want[k], got[k])]
     assert not changed, changed[:5]
+    assert any(not torch.equal(base[k], got[k]) for k in base)
     engine.activate([])
+    if stack is not STACK:
+        return
     with safe_open(str(out), "pt") as f:  # the file says where it came from
         meta = f.metadata()
     assert meta["modelspec.title"] == "ink-film" and "demo-inverted x0.7 + demo-outline x-1.3" in \

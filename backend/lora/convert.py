@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -283,25 +284,59 @@ def _configs_from_metadata(metadata: dict) -> dict[str, dict]:
     return out
 
 
+_LITERAL_PATH = re.compile(r"\w+(?:\\?\.\w+)*")  # a module path, its dots escaped or not
+
+
+class PatternMap(dict):
+    """peft's ``rank_pattern`` / ``alpha_pattern``, looked up as peft's ``get_pattern_key`` does (the first
+    key, in order, matching the module as ``(.*\.)?(key)$``). peft tries every key's regex for every module:
+    a file with a pattern per layer (diffusers' metadata of a 1,000-layer model, our exports) would take
+    n^2 regex matches. When every key is a literal module path (dots escaped or not, as peft, diffusers and
+    our export write them) the match is a dotted suffix of the module: found here by looking up the
+    module's suffixes (a handful), the earliest key in order winning as in peft. Any other key: peft's own
+    function."""
+
+    _index: dict | None = None
+    _literal: bool | None = None
+
+    def lookup(self, module: str, default):
+        if not self:
+            return default
+        if self._literal is None:
+            self._literal = all(isinstance(k, str) and _LITERAL_PATH.fullmatch(k) for k in self)
+            if self._literal:
+                index: dict[str, tuple[int, str]] = {}
+                for i, k in enumerate(self):
+                    index.setdefault(k.replace("\\.", "."), (i, k))
+                self._index = index
+        if not self._literal:
+            from peft.utils.other import get_pattern_key
+
+            return self.get(get_pattern_key(self.keys(), module), default)
+        parts = module.split(".")
+        found = [self._index[s] for s in (".".join(parts[i:]) for i in range(len(parts))) if s in self._index]
+        return self[min(found)[1]] if found else default
+
+
+def _patterns(config: dict, field: str) -> PatternMap:
+    value = config.get(field) or {}
+    if not isinstance(value, PatternMap):
+        value = config[field] = PatternMap(value)  # built once per config, looked up once per module
+    return value
+
+
 def _config_rank(config: dict | None, module: str) -> int | None:
     if not config or "r" not in config:
         return None
-    from peft.utils.other import get_pattern_key
-
-    rank_pattern = config.get("rank_pattern") or {}
-    return int(rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config["r"]))
+    return int(_patterns(config, "rank_pattern").lookup(module, config["r"]))
 
 
 def _scaling(config: dict | None, module: str, r_stored: int) -> float:
     """peft's LoRA scale for one module: alpha / r (or alpha / sqrt(r) with rsLoRA)."""
     if not config:
         return 1.0  # diffusers' convention for files without alphas (kohya alphas are already baked in)
-    from peft.utils.other import get_pattern_key
-
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
-    r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config.get("r", r_stored))
-    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha", r))
+    r = _patterns(config, "rank_pattern").lookup(module, config.get("r", r_stored))
+    alpha = _patterns(config, "alpha_pattern").lookup(module, config.get("lora_alpha", r))
     if config.get("use_rslora"):
         return float(alpha) / math.sqrt(float(r))
     return float(alpha) / float(r)

@@ -1,17 +1,24 @@
 """A stack of adapters written as one LoRA file (#28 item 5), exactly.
 
-For every layer the stack touches, the adapters' ranks are concatenated and each adapter's weight times
-its own scaling (``alpha / r``) is folded into its ``B`` in fp32::
+For every layer the stack touches, the file holds the factors the engine itself would merge for the stack
+(``engine._stacked``), with ``c_i = s_i * scaling_i`` (the weight times the adapter's ``alpha / r``):
 
-    A = [A_1; A_2; ...]      B = [B_1 c_1 | B_2 c_2 | ...]      bias = sum(bias_i c_i)      c_i = s_i * scaling_i
+- one adapter on the layer: its ``A``, ``B`` as stored, and ``c`` as the layer's scale;
+- several with one ``c``: ``A = [A_1; A_2 ...]``, ``B = [B_1 | B_2 ...]``, and ``c``;
+- several with different ``c``: ``B = [B_1 c_1 | B_2 c_2 ...]`` and scale 1, folded as the engine folds it in
+  the serving dtype (``B_i`` in that dtype, times ``c_i`` in fp32, rounded to it once: ``dtype``);
 
-and the file is written in the diffusers layout (``transformer.<module>.lora_A.weight`` ...) in fp32 with no
-alpha (scale 1), so ``B @ A`` is the stack's delta term for term: merged at weight 1 it is what the engine
-merges for the stack (the same GEMM over the same concatenated factors: bit for bit in fp32). Only plain
-weights fold into a file: a weight over steps or per block, and the merge-only kinds (LyCORIS, DoRA, whose
-delta is no low-rank product), are refused by name. No model weights are read: the adapters are fitted
-against the model's meta-device skeletons (``library.denoiser_skeletons``, ``encoder_skeletons``): a
-text-encoder layer is written ``text_encoder.<module>...`` as diffusers writes it.
+in the diffusers layout (``transformer.<module>.lora_A.weight`` ...) in fp32, each layer's scale written as
+a per-module ``lora_alpha`` in the header's ``lora_adapter_metadata`` (peft's ``rank_pattern`` /
+``alpha_pattern``, the config diffusers' ``save_lora_weights`` stores), chosen so that ``alpha / r`` is ``c``
+exactly in float64. Read back and merged at weight 1, every layer is the same GEMM the stack's merge runs,
+with the same alpha: bit for bit, in any dtype for the first two kinds and in the dtype it was exported for
+(its header's ``lora_studio.exact_in``) for the third (in another, to that dtype's rounding). (A LoRA bias summed over several adapters is the one term
+that is only equal to fp32 rounding: the engine adds each adapter's term in turn.) Only plain weights fold
+into a file: a weight over steps or per block, and the merge-only kinds (LyCORIS, DoRA, whose delta is no
+low-rank product), are refused by name. No model weights are read: the adapters are fitted against the
+model's meta-device skeletons (``library.denoiser_skeletons``, ``encoder_skeletons``): a text-encoder layer
+is written ``text_encoder.<module>...`` as diffusers writes it.
 
 The file says where it came from: ``modelspec.title``, a ``modelspec.description`` listing the stack, and
 ``lora_studio.exported_from`` (each adapter's name, sha256 and weight) in its header.
@@ -19,6 +26,8 @@ The file says where it came from: ``modelspec.title``, a ``modelspec.description
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import torch
@@ -27,54 +36,110 @@ from ..errors import InvalidParameter
 from .convert import MERGE_ONLY
 
 
-def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title: str | None = None) -> dict:
+def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title: str | None = None,
+                 dtype: torch.dtype = torch.float32) -> dict:
     """Write ``resolved`` (``jobs.adapters.ResolvedAdapter`` list, in stack order) for ``model`` as one
-    diffusers-layout LoRA at ``out``; returns {"path", "layers", "rank", "from"}."""
+    diffusers-layout LoRA at ``out``, exact for a model served in ``dtype``; returns {"path", "layers", "rank",
+    "from", "exact_in"}."""
     from safetensors.torch import save_file
 
     from ..outputs import _atomic_write
     from .adapter import load_adapter
+    from .engine import identity_of
     from .library import denoiser_skeletons, encoder_skeletons
 
     if not resolved:
         raise InvalidParameter("name at least one adapter to export", param="lora")
     pipeline_cls, skeletons = denoiser_skeletons(model, data_dir)
     encoders = encoder_skeletons(model, data_dir)
-    layers: dict[tuple[str, str], list] = {}  # (component, module) -> [(A, B c, bias c)]
+    layers: dict[tuple[str, str], list] = {}  # (component, module) -> [(A, B, bias, c)]
     sources = []
+    chosen: dict[tuple, list] = {}  # identity -> [entry, {component: weight}]: the engine's canonical set
     for i, a in enumerate(resolved):
         where = f"lora[{i}]" if len(resolved) > 1 else "lora"
         entry = load_adapter(a.path, pipeline_cls, skeletons, name=a.name, int_id=a.int_id, model=model,
                              encoders=encoders)
         weights = _weights(a.scale, entry.bindings, where, encoders)
+        for binding in entry.bindings.values():
+            f = next((f for f in binding.layers.values() if f.kind != "lora"), None)
+            if f is not None:
+                raise InvalidParameter(f"{where}: {a.name} is a {MERGE_ONLY[f.kind]} adapter: its delta is no "
+                                       "low-rank product, so it cannot be folded into a LoRA file", param=where)
+        slot = chosen.setdefault(identity_of(entry), [entry, {}])  # named twice: its weights add, as they do there
+        for comp, w in weights.items():
+            slot[1][comp] = slot[1].get(comp, 0.0) + w
+        sources.append({"name": a.name, "sha256": entry.record.sha256, "scale": a.scale})
+    for ident in sorted(chosen):  # the engine's order (by identity): the rank concatenated as its merge does
+        entry, weights = chosen[ident]
         for comp, binding in entry.bindings.items():
             for module, f in binding.layers.items():
-                if f.kind != "lora":
-                    raise InvalidParameter(f"{where}: {a.name} is a {MERGE_ONLY[f.kind]} adapter: its delta is no "
-                                           "low-rank product, so it cannot be folded into a LoRA file", param=where)
                 c = weights.get(comp, 0.0) * f.scaling
                 if c == 0.0:
                     continue
                 bias = f.tensors.get("lora_B.bias")
                 layers.setdefault((comp, module), []).append(
-                    (f.tensors["lora_A.weight"].float(), f.tensors["lora_B.weight"].float() * c,
-                     None if bias is None else bias.float() * c))
-        sources.append({"name": a.name, "sha256": entry.record.sha256, "scale": a.scale})
+                    (f.tensors["lora_A.weight"].float(), f.tensors["lora_B.weight"].float(),
+                     None if bias is None else bias.float(), c))
     if not layers:
         raise InvalidParameter("every adapter of the stack has weight 0 here: nothing to export", param="lora")
-    tensors = {}
+    tensors, scales = {}, {}
     for (comp, module), parts in sorted(layers.items()):
-        tensors[f"{comp}.{module}.lora_A.weight"] = torch.cat([p[0] for p in parts], dim=0).contiguous()
-        tensors[f"{comp}.{module}.lora_B.weight"] = torch.cat([p[1] for p in parts], dim=1).contiguous()
-        biases = [p[2] for p in parts if p[2] is not None]
-        if biases:
-            tensors[f"{comp}.{module}.lora_B.bias"] = sum(biases[1:], biases[0]).contiguous()
+        a, b, bias, c = _layer(parts, dtype)
+        tensors[f"{comp}.{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"{comp}.{module}.lora_B.weight"] = b.contiguous()
+        if bias is not None:
+            tensors[f"{comp}.{module}.lora_B.bias"] = bias.contiguous()
+        scales.setdefault(comp, {})[module] = (int(a.shape[0]), c)
     stack = " + ".join(f"{s['name']} x{_shown(s['scale'])}" for s in sources)
     metadata = {"modelspec.title": title or out.stem, "modelspec.description": f"exported by LoRA Studio from "
-                f"{stack} on {model}", "lora_studio.exported_from": json.dumps(sources)}
+                f"{stack} on {model}", "lora_studio.exported_from": json.dumps(sources),
+                "lora_adapter_metadata": json.dumps(_configs(scales)),
+                "lora_studio.exact_in": str(dtype).replace("torch.", "")}
     _atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     ranks = {tensors[k].shape[0] for k in tensors if k.endswith("lora_A.weight")}
-    return {"path": str(out), "layers": len(layers), "rank": max(ranks), "from": sources}
+    return {"path": str(out), "layers": len(layers), "rank": max(ranks), "from": sources,
+            "exact_in": str(dtype).replace("torch.", "")}
+
+
+def _layer(parts: list, dtype: torch.dtype) -> tuple:
+    """(A, B, bias, scale) of one layer: the factors ``engine._stacked`` merges for these contributions
+    ``[(A_i, B_i, bias_i, c_i)]`` (fp32) in a model of ``dtype``, with the alpha it passes to addmm as the
+    scale (kept in fp32: a B folded in ``dtype`` is exactly representable there)."""
+    coeffs = [p[3] for p in parts]
+    a = torch.cat([p[0] for p in parts], dim=0)
+    if len(parts) == 1 or all(c == coeffs[0] for c in coeffs):
+        b, scale = torch.cat([p[1] for p in parts], dim=1), coeffs[0]
+        biases = [p[2] for p in parts if p[2] is not None]
+        bias = None if not biases else sum(biases[1:], biases[0])
+        return a, b, bias, scale
+    b = torch.cat([(p[1].to(dtype).float() * c).to(dtype).float() for p, c in zip(parts, coeffs)], dim=1)
+    terms = [p[2] * c for p, c in zip(parts, coeffs) if p[2] is not None]
+    return a, b, None if not terms else sum(terms[1:], terms[0]), 1.0
+
+
+def _alpha(scale: float, rank: int) -> float:
+    """An alpha whose ``alpha / rank`` is ``scale`` exactly in float64 (what the reader computes)."""
+    alpha = scale * rank
+    for candidate in (alpha, math.nextafter(alpha, math.inf), math.nextafter(alpha, -math.inf)):
+        if candidate / rank == scale:
+            return candidate
+    return alpha
+
+
+def _configs(scales: dict) -> dict:
+    """diffusers' ``lora_adapter_metadata`` (``component.field`` keys): per component the most common rank
+    as ``r``, every layer's own alpha (and its rank where it differs) as an exact pattern (``re.escape``d
+    module path; longest first, so a path is never taken for a shorter one it ends with)."""
+    out = {}
+    for comp, layers in scales.items():
+        ranks = [r for r, _ in layers.values()]
+        common = max(set(ranks), key=ranks.count)
+        order = sorted(layers, key=lambda m: (-len(m), m))
+        out[f"{comp}.r"] = common
+        out[f"{comp}.lora_alpha"] = common
+        out[f"{comp}.rank_pattern"] = {re.escape(m): layers[m][0] for m in order if layers[m][0] != common}
+        out[f"{comp}.alpha_pattern"] = {re.escape(m): _alpha(layers[m][1], layers[m][0]) for m in order}
+    return out
 
 
 def _weights(scale, bindings: dict, where: str, encoders) -> dict[str, float]:

@@ -192,8 +192,19 @@ class AdapterLibrary:
         if os.path.lexists(target) or name in {r["name"] for r in self.adapters()}:
             raise InvalidParameter(f"an adapter named {name!r} already exists in the library", param="name")
         written = export_stack(self.core.resolver.resolve(specs), self.core.current_model(), target,
-                               data_dir=self.core.data_dir, title=name)
+                               data_dir=self.core.data_dir, title=name, dtype=self._serving_dtype())
         return {"adapter": self.adapter_detail(name), **written}
+
+    def _serving_dtype(self):
+        """The dtype the worker serves the model in (its report; before one: what ``--dtype`` resolves to)."""
+        import torch
+
+        from ..manager import pick_device, pick_dtype
+
+        reported = self.core.info.get("dtype")
+        if isinstance(reported, str) and isinstance(getattr(torch, reported, None), torch.dtype):
+            return getattr(torch, reported)
+        return pick_dtype(self.core.config.dtype, pick_device(self.core.config.device))
 
     def delete_adapter(self, name: str) -> dict:
         row = self.adapter_detail(name)
