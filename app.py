@@ -16,7 +16,7 @@ import sys
 
 from backend.families import DEFAULT_MODEL, task_types  # plain data: no torch imported here
 
-COMMANDS = ("serve", "generate", "adapters", "presets", "ray-up", "export-lora", "hash-password")
+COMMANDS = ("serve", "generate", "adapters", "presets", "ray-up", "export-lora", "bake", "hash-password")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -216,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the dtype the model is served in (auto: bfloat16 with CUDA, else float32): where "
                              "adapters with different weights share a layer, the file is exact for that dtype")
     _common(export)
+
+    bake = sub.add_parser("bake", help="write a copy of the model with a stack of adapters merged into its weights "
+                                       "(a diffusers folder: --model DIR loads it)")
+    bake.add_argument("adapters", nargs="+", metavar="NAME[:WEIGHT]",
+                      help="library names or adapter files, each with an optional weight (default: its preferred "
+                           "weight, else 1.0)")
+    bake.add_argument("--model", default=DEFAULT_MODEL, help="the model to copy (default: %(default)s)")
+    bake.add_argument("--output", "-o", required=True, metavar="DIR", help="the new model folder (must not exist)")
+    bake.add_argument("--dtype", default="stored",
+                      help="stored (each tensor's own dtype: the checkpoint's size unchanged), float32, bfloat16 or "
+                           "float16: merge in the dtype the copy will be served in (bit for bit what the PEFT "
+                           "backend merges there)")
+    _common(bake)
     return parser
 
 
@@ -407,13 +420,42 @@ def cmd_export_lora(args) -> int:
     from backend.errors import InvalidParameter
     from backend.jobs.adapters import AdapterResolver
     from backend.lora.export import export_stack
+    from backend.manager import pick_device, pick_dtype
 
     out = Path(args.output).expanduser()
     if out.suffix.lower() != ".safetensors":
         raise InvalidParameter(f"--output {args.output}: a LoRA is written as a .safetensors file", param="output")
     resolver = AdapterResolver(args.adapter_dir, args.data_dir, model=args.model)
+    specs = _stack_specs(args.adapters, resolver)
+    dtype = pick_dtype(args.dtype, pick_device("auto"))
+    written = export_stack(resolver.resolve(specs), args.model, out, data_dir=args.data_dir, dtype=dtype)
+    print(f"wrote {written['path']}: {written['layers']} layers, rank up to {written['rank']}, exact in "
+          f"{written['exact_in']}, from " + " + ".join(f"{s['name']} x{s['scale']}" for s in written["from"]))
+    return 0
+
+
+def cmd_bake(args) -> int:
+    from backend.jobs.adapters import AdapterResolver
+    from backend.lora.bake import bake_stack
+
+    from backend.manager import pick_device, pick_dtype
+
+    resolver = AdapterResolver(args.adapter_dir, args.data_dir, model=args.model)
+    dtype = None if args.dtype == "stored" else pick_dtype(args.dtype, pick_device("auto"))
+    written = bake_stack(resolver.resolve(_stack_specs(args.adapters, resolver)), args.model, args.output,
+                         data_dir=args.data_dir, dtype=dtype)
+    print(f"wrote {written['path']}: {written['layers']} layers merged ({written['files']} weight file(s) "
+          f"rewritten, the rest linked; merged in {written['dtype']}), from " + " + ".join(f"{s['name']} x{s['scale']}" for s in written["from"])
+          + f"; run it with --model {written['path']}")
+    return 0
+
+
+def _stack_specs(items, resolver) -> list[dict]:
+    """``NAME[:WEIGHT]`` arguments as a request's adapter list (a path names a file, as --lora-path takes it)."""
+    from pathlib import Path
+
     specs = []
-    for item in args.adapters:
+    for item in items:
         ref, _, weight = item.rpartition(":")
         try:
             spec = {"scale": float(weight)} if ref else {}
@@ -425,13 +467,7 @@ def cmd_export_lora(args) -> int:
         else:
             spec["name"] = ref
         specs.append(spec)
-    from backend.manager import pick_device, pick_dtype
-
-    dtype = pick_dtype(args.dtype, pick_device("auto"))
-    written = export_stack(resolver.resolve(specs), args.model, out, data_dir=args.data_dir, dtype=dtype)
-    print(f"wrote {written['path']}: {written['layers']} layers, rank up to {written['rank']}, exact in "
-          f"{written['exact_in']}, from " + " + ".join(f"{s['name']} x{s['scale']}" for s in written["from"]))
-    return 0
+    return specs
 
 
 def cmd_hash_password(args) -> int:
@@ -468,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     from backend.errors import StudioError
 
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "adapters": cmd_adapters, "presets": cmd_presets,
-                "ray-up": cmd_ray_up, "export-lora": cmd_export_lora, "hash-password": cmd_hash_password}
+                "ray-up": cmd_ray_up, "export-lora": cmd_export_lora, "bake": cmd_bake,
+                "hash-password": cmd_hash_password}
     try:
         return handlers[args.command](args)
     except StudioError as exc:

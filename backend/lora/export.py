@@ -44,33 +44,10 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
     from safetensors.torch import save_file
 
     from ..outputs import _atomic_write
-    from .adapter import load_adapter
-    from .engine import identity_of
-    from .library import denoiser_skeletons, encoder_skeletons
 
-    if not resolved:
-        raise InvalidParameter("name at least one adapter to export", param="lora")
-    pipeline_cls, skeletons = denoiser_skeletons(model, data_dir)
-    encoders = encoder_skeletons(model, data_dir)
+    chosen, sources, _ = canonical_stack(resolved, model, data_dir)
     layers: dict[tuple[str, str], list] = {}  # (component, module) -> [(A, B, bias, c)]
-    sources = []
-    chosen: dict[tuple, list] = {}  # identity -> [entry, {component: weight}]: the engine's canonical set
-    for i, a in enumerate(resolved):
-        where = f"lora[{i}]" if len(resolved) > 1 else "lora"
-        entry = load_adapter(a.path, pipeline_cls, skeletons, name=a.name, int_id=a.int_id, model=model,
-                             encoders=encoders)
-        weights = _weights(a.scale, entry.bindings, where, encoders)
-        for binding in entry.bindings.values():
-            f = next((f for f in binding.layers.values() if f.kind != "lora"), None)
-            if f is not None:
-                raise InvalidParameter(f"{where}: {a.name} is a {MERGE_ONLY[f.kind]} adapter: its delta is no "
-                                       "low-rank product, so it cannot be folded into a LoRA file", param=where)
-        slot = chosen.setdefault(identity_of(entry), [entry, {}])  # named twice: its weights add, as they do there
-        for comp, w in weights.items():
-            slot[1][comp] = slot[1].get(comp, 0.0) + w
-        sources.append({"name": a.name, "sha256": entry.record.sha256, "scale": a.scale})
-    for ident in sorted(chosen):  # the engine's order (by identity): the rank concatenated as its merge does
-        entry, weights = chosen[ident]
+    for _, entry, weights in chosen:  # the engine's order (by identity): the rank concatenated as its merge does
         for comp, binding in entry.bindings.items():
             for module, f in binding.layers.items():
                 c = weights.get(comp, 0.0) * f.scaling
@@ -99,6 +76,38 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
     ranks = {tensors[k].shape[0] for k in tensors if k.endswith("lora_A.weight")}
     return {"path": str(out), "layers": len(layers), "rank": max(ranks), "from": sources,
             "exact_in": str(dtype).replace("torch.", "")}
+
+
+def canonical_stack(resolved: list, model: str, data_dir=None,
+                    into: str = "folded into a LoRA file") -> tuple[list, list, dict]:
+    """A stack as the engine activates it, for writing out: ``[(identity, LoadedAdapter, {component: weight})]``
+    sorted by identity (an adapter named twice once, its weights added), the stack's ``sources`` (name,
+    sha256, scale) in its own order, and the meta-device encoders it was fitted against. Plain LoRA weights
+    only: LyCORIS / DoRA and weights over steps or per block are refused by name."""
+    from .adapter import load_adapter
+    from .engine import identity_of
+    from .library import denoiser_skeletons, encoder_skeletons
+
+    if not resolved:
+        raise InvalidParameter("name at least one adapter to export", param="lora")
+    pipeline_cls, skeletons = denoiser_skeletons(model, data_dir)
+    encoders = encoder_skeletons(model, data_dir)
+    sources, chosen = [], {}
+    for i, a in enumerate(resolved):
+        where = f"lora[{i}]" if len(resolved) > 1 else "lora"
+        entry = load_adapter(a.path, pipeline_cls, skeletons, name=a.name, int_id=a.int_id, model=model,
+                             encoders=encoders)
+        weights = _weights(a.scale, entry.bindings, where, encoders)
+        for binding in entry.bindings.values():
+            f = next((f for f in binding.layers.values() if f.kind != "lora"), None)
+            if f is not None:
+                raise InvalidParameter(f"{where}: {a.name} is a {MERGE_ONLY[f.kind]} adapter: its delta is no "
+                                       f"low-rank product, so it cannot be {into}", param=where)
+        slot = chosen.setdefault(identity_of(entry), [entry, {}])  # named twice: its weights add, as they do there
+        for comp, w in weights.items():
+            slot[1][comp] = slot[1].get(comp, 0.0) + w
+        sources.append({"name": a.name, "sha256": entry.record.sha256, "scale": a.scale})
+    return [(ident, *chosen[ident]) for ident in sorted(chosen)], sources, encoders
 
 
 def _layer(parts: list, dtype: torch.dtype) -> tuple:
