@@ -88,3 +88,25 @@ def test_what_does_not_fold_into_a_file_is_refused_by_name(managers, data_dir, l
         export_stack(resolver.resolve([{"name": "demo-inverted", "scale": [1.0, 0.5]}]), MODEL,
                      tmp_path / "x.safetensors", data_dir=data_dir)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_pattern_lookup_picks_what_peft_picks():
+    """convert.PatternMap (linear; peft's get_pattern_key tries every key's regex per module: 840 patterns took
+    17.7 s against 2.4 ms here) picks the key peft picks: literal paths escaped or not, shorter suffixes
+    before or after longer ones, and regex keys (which go to peft's own function)."""
+    import re
+
+    from peft.utils.other import get_pattern_key
+
+    from backend.lora.convert import PatternMap
+
+    modules = ["proj_out", "a.proj_out", "transformer_blocks.0.attn.to_q", "transformer_blocks.10.attn.to_q",
+               "transformer_blocks.1.attn.to_q", "x.transformer_blocks.0.attn.to_q", "blocks.3.ffn.net.0.proj"]
+    for keys in (["proj_out", re.escape("transformer_blocks.0.attn.to_q"), "attn.to_q"],
+                 [re.escape("transformer_blocks.1.attn.to_q"), "to_q", "net.0.proj"],
+                 ["to_q", re.escape("transformer_blocks.1.attn.to_q"), re.escape("a.proj_out"), "proj_out"],
+                 [r"blocks\.\d+\.attn\.to_q", "proj_out"], [re.escape(m) for m in sorted(modules, key=len)]):
+        patterns = {k: i for i, k in enumerate(keys)}
+        for module in modules:
+            assert PatternMap(patterns).lookup(module, -1) == patterns.get(get_pattern_key(keys, module), -1), \
+                (keys, module)
