@@ -317,3 +317,33 @@ def test_a_text_encoder_lora_is_weighted_apart_over_http_and_in_the_a1111_tag(se
         assert np.array_equal(_image(url), base)  # the encoder's merged layers came off exactly
     finally:
         path.unlink()
+
+
+def test_a_stack_baked_over_http_is_served_as_its_own_model(server, data_dir):
+    """#28 item 5: POST /v1/models/bake writes the loaded model with the stack merged into
+    <data-dir>/models/baked/<name>, listed in /v1/models as baked:<name>; a request for that model with no
+    adapter draws what the base draws with the stack, pixel for pixel (baked in the serving dtype); a taken
+    or non-plain name is a 400 and writes nothing; no server path comes back."""
+    import shutil
+
+    from backend import settings
+
+    _, url = server
+    stack = [{"name": "demo-inverted", "scale": 0.7}, {"name": "demo-outline", "scale": -1.3}]
+    folder = settings.models_dir(data_dir) / "baked" / "inked"
+    try:
+        r = httpx.post(f"{url}/v1/models/bake", json={"lora": stack, "name": "inked"}, timeout=300)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == "baked:inked" and body["layers"] > 0 and body["dtype"] == "float32", body
+        assert str(data_dir) not in r.text  # nothing about the server's disk
+        assert "baked:inked" in [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=60).json()["data"]]
+        stacked = _image(url, lora=stack)
+        assert np.array_equal(_image(url, model="baked:inked"), stacked)
+        for name in ("inked", "../up", ".hidden"):
+            r = httpx.post(f"{url}/v1/models/bake", json={"lora": stack, "name": name}, timeout=120)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
+        assert sorted(p.name for p in folder.parent.iterdir()) == ["inked"]
+    finally:
+        _image(url, model="demo:qwen-image")  # the module's server goes back to its model
+        shutil.rmtree(folder, ignore_errors=True)

@@ -271,3 +271,15 @@ def test_single_user_servers_keep_seeing_everything_and_named_keys_do_not():
     assert not sees(User(""), "") and not sees(User(""), None)  # no one sees nothing
     with pytest.raises(Exception, match="--admin zed: no such user"):
         Credentials(["ci=k1"], admins=["zed"])
+
+
+def test_only_an_admin_may_bake_a_model_copy_onto_the_servers_disk(users_srv):
+    """POST /v1/models/bake writes a copy of the model (the disk of every shard a stack touches): a user who is
+    not an admin gets a 403 before any adapter is read; an admin's request goes on (here refused on its name)."""
+    body = {"lora": [{"name": "demo-inverted"}], "name": "mine"}
+    with users_srv.client(headers=_key("bob")) as c:
+        r = c.post("/v1/models/bake", json=body)
+        assert r.status_code == 403 and "admins only" in r.json()["error"]["message"], r.text
+    with users_srv.client(headers=_key("root")) as c:
+        r = c.post("/v1/models/bake", json={**body, "name": "../up"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text

@@ -156,6 +156,10 @@ class ExportAdapterRequest(_Text):
         return [s.as_request() for s in (self.lora if isinstance(self.lora, list) else [self.lora])]
 
 
+class BakeModelRequest(ExportAdapterRequest):
+    """``POST /v1/models/bake``: the loaded model with a stack merged in, as ``baked:<name>``."""
+
+
 class UnloadAdapterRequest(_Text):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)

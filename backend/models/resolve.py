@@ -1,4 +1,5 @@
-"""Model resolution: ``demo:*``, a local diffusers directory, or a Hugging Face repo id.
+"""Model resolution: ``demo:*``, ``baked:NAME`` (a copy with a stack baked in, ``backend/lora/bake.py``, under
+``<data-dir>/models/baked``), a local diffusers directory, or a Hugging Face repo id.
 
 A repo id is looked up in the local HF cache first; it is downloaded only when the
 caller allows it (``allow_download=True``) and the machine is online.
@@ -12,6 +13,32 @@ from pathlib import Path
 
 from .. import demo, families
 from ..errors import CorruptModel, ModelNotFound
+
+
+BAKED = "baked:"  # the id prefix of a model baked here (app.py bake, POST /v1/models/bake)
+MAX_BAKED_LISTED = 200
+
+
+def baked_path(model_id: str, data_dir=None) -> Path:
+    """The folder of ``baked:NAME`` (NAME a plain name: nothing else is looked at)."""
+    from .. import settings
+    from ..jobs.adapters import check_adapter_name
+
+    name = check_adapter_name(model_id[len(BAKED):], "model")
+    return settings.models_dir(data_dir) / "baked" / name
+
+
+def baked_models(data_dir=None) -> list[str]:
+    """The ``baked:NAME`` ids present (folders with a model_index.json), sorted; at most MAX_BAKED_LISTED."""
+    from .. import settings
+
+    root = settings.models_dir(data_dir) / "baked"
+    try:
+        names = sorted(p.name for p in root.iterdir() if not p.name.startswith(".")
+                       and (p / "model_index.json").is_file())
+    except OSError:
+        return []
+    return [BAKED + n for n in names[:MAX_BAKED_LISTED]]
 
 
 @dataclass(frozen=True)
@@ -51,6 +78,10 @@ def resolve_model(model_id: str, data_dir=None, *, allow_download: bool | None =
                             param="model")
     if demo.is_demo(model_id):
         path = demo.ensure(model_id, data_dir)
+    elif model_id.startswith(BAKED):
+        path = baked_path(model_id, data_dir)
+        if not (path / "model_index.json").is_file():
+            raise ModelNotFound(f"no baked model {model_id!r} here (app.py bake ... -o writes one)", param="model")
     elif Path(model_id).expanduser().exists():
         path = Path(model_id).expanduser().resolve()
     else:

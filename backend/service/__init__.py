@@ -167,6 +167,9 @@ class Studio:
     def export_adapter(self, specs: list[dict], name: str) -> dict:
         return self.library.export_adapter(specs, name)
 
+    def bake_model(self, specs: list[dict], name: str) -> dict:
+        return self.library.bake_model(specs, name)
+
     def pin(self, name: str, pinned: bool = True) -> dict:
         return self.library.pin(name, pinned)
 

@@ -195,6 +195,23 @@ class AdapterLibrary:
                                data_dir=self.core.data_dir, title=name, dtype=self._serving_dtype())
         return {"adapter": self.adapter_detail(name), **written}
 
+    def bake_model(self, specs: list[dict], name: str) -> dict:
+        """The loaded model with a stack (as a request's) merged into a copy, ``<data-dir>/models/baked/<name>``,
+        in the serving dtype (``backend/lora/bake.py``); returns its id ``baked:<name>`` and what was written."""
+        from ..jobs.adapters import check_adapter_name
+        from ..lora.bake import bake_stack
+        from ..models.resolve import BAKED, baked_path
+
+        name = check_adapter_name(name, "name")
+        check_request(self.core.limits, None, {}, {}, specs)  # --max-adapters, before any file is read
+        target = baked_path(BAKED + name, self.core.data_dir)
+        if os.path.lexists(target):
+            raise InvalidParameter(f"a model named {BAKED}{name} already exists", param="name")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        written = bake_stack(self.core.resolver.resolve(specs), self.core.current_model(), target,
+                             data_dir=self.core.data_dir, dtype=self._serving_dtype())
+        return {"model": BAKED + name, **{k: v for k, v in written.items() if k != "path"}}  # no server paths
+
     def _serving_dtype(self):
         """The dtype the worker serves the model in (its report; before one: what ``--dtype`` resolves to)."""
         import torch

@@ -17,9 +17,11 @@ class ModelService:
     def models(self) -> list[dict]:
         from ..demo import DEMO_MODELS
 
+        from ..models.resolve import baked_models
+
         loaded = self.core.current_model()
         out = []
-        for model_id in dict.fromkeys([loaded, self.core.model, *DEMO_MODELS]):
+        for model_id in dict.fromkeys([loaded, self.core.model, *DEMO_MODELS, *baked_models(self.core.data_dir)]):
             entry = {"id": model_id, "loaded": model_id == loaded}
             spec = self.core.spec() if model_id == loaded else self.core.static_spec(model_id)
             if spec:
@@ -29,20 +31,27 @@ class ModelService:
 
     def check_model(self, model_id) -> str:
         """The one rule for every ``model`` a client names (UI, gradio_client, /v1, switch): the
-        demo ids, the model the server started with, the one loaded now, and Hugging Face repo ids
-        already in the local cache. Anything else, local paths included, gets the same error,
+        demo ids, the model the server started with, the one loaded now, the models baked here
+        (``baked:NAME``), and Hugging Face repo ids already in the local cache. Anything else, local paths included, gets the same error,
         which says nothing about the file system."""
         from ..demo import DEMO_MODELS
 
         current = self.core.current_model()
         if isinstance(model_id, str):
             model_id = model_id.strip()
-            if model_id in DEMO_MODELS or model_id in (self.core.model, current) or _cached_repo(model_id):
+            if model_id in DEMO_MODELS or model_id in (self.core.model, current) or _cached_repo(model_id) \
+                    or self._baked(model_id):
                 return model_id
         shown = repr(model_id[:100]) if isinstance(model_id, str) else type(model_id).__name__
         raise ModelNotFound(f"model {shown} is not served here; choose one of: "
                             f"{', '.join(dict.fromkeys([current, self.core.model, *DEMO_MODELS]))} "
                             "(or a Hugging Face repo id in this server's cache)", param="model")
+
+    def _baked(self, model_id: str) -> bool:
+        """``baked:NAME`` of a model baked here (its folder exists; a name that is not plain is not one)."""
+        from ..models.resolve import BAKED, baked_models
+
+        return model_id.startswith(BAKED) and model_id in baked_models(self.core.data_dir)
 
     def switch_model(self, model_id: str) -> dict:
         """Queue a load of another model (a job, so it never lands mid-generation)."""
