@@ -533,3 +533,46 @@ def test_the_stack_is_saved_as_one_lora_that_draws_the_same(page, app, lora_file
 
     base = np.asarray(Image.open(generate_base(page, app)["result"]["path"])).astype(int)
     assert np.abs(a - base).mean() > 10 * max(np.abs(a - b).mean(), 1e-3)  # and the stack does change the picture
+
+
+def test_the_stack_is_baked_into_a_model_that_draws_the_same(page, app, lora_files):  # noqa: F811
+    """#28 item 5, the UI's half of bake: *Bake into a model* under the stack merges the stack as shown into a
+    copy of the loaded model; the model list offers it as baked:NAME, and picked with no adapter it draws the
+    stack's picture pixel for pixel; a taken name is refused by name. The image model is put back after."""
+    import shutil
+
+    from backend import settings
+
+    app.add_adapter(lora_files["style"], "bake-style")
+    fill(page, "seed", 6)
+    fill(page, "field-num_inference_steps", 2)
+    fill(page, "prompt", "a baked stack")
+    add_to_stack(page, "bake-style")
+    fill(page, "stack-scale-0", "0.6")
+    stacked = generate(page, app)
+    assert stacked["status"] == "succeeded" and [a["scale"] for a in stacked["adapters"]] == [0.6], stacked
+    folder = settings.models_dir(app.data_dir) / "baked" / "ui-baked"
+    try:
+        fill(page, "stack-bake-name", "ui-baked")
+        expect(page.locator("#gen-note")).not_to_contain_text("queued")  # the job's note has gone
+        page.locator("#stack-bake").click()
+        expect(page.locator("#gen-note")).to_contain_text("baked the stack (bake-style) into baked:ui-baked",
+                                                          timeout=120_000)
+        fill(page, "stack-bake-name", "ui-baked")
+        page.locator("#stack-bake").click()
+        expect(page.locator("#gen-note")).to_contain_text("a model named baked:ui-baked already exists")
+        page.locator("#stack-remove-0").click()
+        expect(page.locator("#stack-row-0:visible")).to_have_count(0)
+        choose(page, "model-picker", "baked:ui-baked")
+        expect(page.locator("#gen-note")).to_contain_text("baked:ui-baked loaded", timeout=600_000)
+        fill(page, "seed", 6)  # the same request, whatever the switch reset
+        fill(page, "field-num_inference_steps", 2)
+        fill(page, "prompt", "a baked stack")
+        alone = generate(page, app)
+        assert alone["status"] == "succeeded" and alone["model"] == "baked:ui-baked" and not alone["adapters"], alone
+        a, b = (np.asarray(Image.open(j["result"]["path"])) for j in (stacked, alone))
+        assert np.array_equal(a, b), (np.abs(a.astype(int) - b).max(), (a != b).sum())
+    finally:
+        choose(page, "model-picker", "demo:qwen-image")
+        expect(page.locator("#gen-note")).to_contain_text("demo:qwen-image loaded", timeout=600_000)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -204,6 +204,12 @@ def build(studio) -> GenerateTab:
                                              placeholder="a name for the new adapter", elem_id="stack-export-name",
                                              info="exact: the new file at weight 1 is this stack at these weights")
                     export = gr.Button("Save as one LoRA", scale=1, elem_id="stack-export")
+                with gr.Row(equal_height=True):
+                    bake_name = gr.Textbox(label="Bake the stack into a copy of the model", max_lines=1, scale=3,
+                                           placeholder="a name for the new model", elem_id="stack-bake-name",
+                                           info="a model of its own (baked:NAME in the model list), no adapter "
+                                                "needed; it takes the disk of the weights the stack changes")
+                    bake = gr.Button("Bake into a model", scale=1, elem_id="stack-bake")
 
             with gr.Accordion("Preset (distill: fused into the base weights)", open=False, elem_id="gen-preset"):
                 with gr.Row():
@@ -242,6 +248,7 @@ def build(studio) -> GenerateTab:
     _wire(studio, t, refresh, dice, apply_btn)
     lora_stack.wire(studio, t, add)
     lora_stack.wire_export(studio, t, export, export_name)
+    lora_stack.wire_bake(studio, t, bake, bake_name)
     jobs_column.wire(studio, t, go, stop, cancel_one)
     result_view.wire_send(studio, t, reuse, to_i2v)
     return t

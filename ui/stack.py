@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from .server_state import two_stage_of
+from .server_state import model_choices, two_stage_of
 from .views import error_html, ok_html, readable
 
 MAX_LORAS = 6
@@ -201,6 +201,28 @@ def wire(studio, t, add) -> None:
         for btn, delta in ((r.remove, 0), (r.up, -1), (r.down, 1)):
             btn.click(lambda stack, model_id, i=i, delta=delta: move(stack, model_id, i, delta),
                       [t.stack, t.model], [t.stack, *t.row_outputs()], api_visibility="private", queue=False)
+
+
+def wire_bake(studio, t, button, name_box) -> None:
+    """*Bake into a model*: the stack as shown merged into a copy of the loaded model (Studio.bake_model,
+    backend/lora/bake.py), served from then on as ``baked:NAME`` (the model list offers it)."""
+    def bake(name, stack, model_id, *weights, request: gr.Request = None):
+        stack = stack_as_shown(stack, weights)
+        if not stack:
+            return error_html("the stack is empty: add the adapters to bake first"), gr.update(), gr.update()
+        if not str(name or "").strip():
+            return error_html("give the new model a name first"), gr.update(), gr.update()
+        try:
+            done = studio.of(request).bake_model(adapter_payload(stack, two_stage_of(studio, model_id)),
+                                                 str(name).strip())
+        except Exception as exc:  # noqa: BLE001 - a taken or bad name, a stack that cannot be baked, not an admin
+            return error_html(readable(exc)), gr.update(), gr.update()
+        return (ok_html(f"baked the stack ({', '.join(e['name'] for e in stack)}) into {done['model']}: "
+                        f"{done['layers']} layers merged; pick it in the model list to run it without adapters"),
+                "", gr.update(choices=model_choices(studio)))
+
+    button.click(bake, [name_box, t.stack, t.model, *t.weight_inputs()], [t.status, name_box, t.model],
+                 api_visibility="private")
 
 
 def wire_export(studio, t, button, name_box) -> None:

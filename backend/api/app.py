@@ -24,8 +24,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import (BodyTooLarge, BodyTooSlow, InvalidParameter, PathNotAllowed, StorageFull, StudioError, Timeout,
-                      storage_full)
+from ..errors import BodyTooLarge, BodyTooSlow, InvalidParameter, StorageFull, StudioError, Timeout, storage_full
 from ..service import job_error
 from ..users import NOBODY
 from .auth import AuthGate, Credentials, GateConfig, user_of
@@ -276,11 +275,7 @@ def create_app(studio, api_key: str | list[str] | None = None, *, login: str | t
     def bake_model(body: BakeModelRequest, request: Request):
         """The loaded model with a stack merged into a copy on the server's disk, served as ``baked:<name>``
         (a plain name). A copy can take the disk of the whole model: on a server with several users, admins only."""
-        user = user_of(request.scope)
-        if configured and (user is None or not user.admin):
-            raise PathNotAllowed("baking a model writes a copy of it to the server's disk: admins only",
-                                 param="name")
-        return studio.bake_model(body.adapters(), body.name)
+        return mine(request).bake_model(body.adapters(), body.name)
 
     @v1.post("/load_lora_adapter")
     def load_lora(body: LoadAdapterRequest):

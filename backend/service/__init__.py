@@ -167,8 +167,8 @@ class Studio:
     def export_adapter(self, specs: list[dict], name: str) -> dict:
         return self.library.export_adapter(specs, name)
 
-    def bake_model(self, specs: list[dict], name: str) -> dict:
-        return self.library.bake_model(specs, name)
+    def bake_model(self, specs: list[dict], name: str, user: User | None = None) -> dict:
+        return self.library.bake_model(specs, name, user)
 
     def pin(self, name: str, pinned: bool = True) -> dict:
         return self.library.pin(name, pinned)
@@ -212,7 +212,7 @@ class Studio:
 # the methods that read or change someone's work: a UserView passes its user to these
 OWNED = frozenset({"submit", "submit_many", "job", "job_preview", "jobs", "active_jobs", "cancel", "wait",
                    "wait_async", "run", "make_preview", "outputs", "output_facets", "delete_output",
-                   "result_image"})
+                   "result_image", "bake_model"})
 
 
 class UserView:

@@ -195,13 +195,17 @@ class AdapterLibrary:
                                data_dir=self.core.data_dir, title=name, dtype=self._serving_dtype())
         return {"adapter": self.adapter_detail(name), **written}
 
-    def bake_model(self, specs: list[dict], name: str) -> dict:
+    def bake_model(self, specs: list[dict], name: str, user: User | None = None) -> dict:
         """The loaded model with a stack (as a request's) merged into a copy, ``<data-dir>/models/baked/<name>``,
-        in the serving dtype (``backend/lora/bake.py``); returns its id ``baked:<name>`` and what was written."""
+        in the serving dtype (``backend/lora/bake.py``); returns its id ``baked:<name>`` and what was written.
+        A copy can take the disk of the whole model: where several users share the server, admins only."""
         from ..jobs.adapters import check_adapter_name
         from ..lora.bake import bake_stack
         from ..models.resolve import BAKED, baked_path
 
+        if user is not None and not user.admin:
+            raise PathNotAllowed("baking a model writes a copy of it to the server's disk: admins only",
+                                 param="name")
         name = check_adapter_name(name, "name")
         check_request(self.core.limits, None, {}, {}, specs)  # --max-adapters, before any file is read
         target = baked_path(BAKED + name, self.core.data_dir)
