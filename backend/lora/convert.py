@@ -288,7 +288,7 @@ _LITERAL_PATH = re.compile(r"\w+(?:\\?\.\w+)*")  # a module path, its dots escap
 
 
 class PatternMap(dict):
-    """peft's ``rank_pattern`` / ``alpha_pattern``, looked up as peft's ``get_pattern_key`` does (the first
+    r"""peft's ``rank_pattern`` / ``alpha_pattern``, looked up as peft's ``get_pattern_key`` does (the first
     key, in order, matching the module as ``(.*\.)?(key)$``). peft tries every key's regex for every module:
     a file with a pattern per layer (diffusers' metadata of a 1,000-layer model, our exports) would take
     n^2 regex matches. When every key is a literal module path (dots escaped or not, as peft, diffusers and
