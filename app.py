@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="auto",
                         help="the dtype the model is served in (auto: bfloat16 with CUDA, else float32): where "
                              "adapters with different weights share a layer, the file is exact for that dtype")
+    export.add_argument("--portable", action="store_true",
+                        help="fold every layer's weight into its factors (scale 1, no per-layer alpha in the "
+                             "header): for ComfyUI, A1111 and other readers of plain diffusers-layout files; exact "
+                             "to fp32 rounding instead of bit for bit")
     _common(export)
 
     bake = sub.add_parser("bake", help="write a copy of the model with a stack of adapters merged into its weights "
@@ -428,9 +432,10 @@ def cmd_export_lora(args) -> int:
     resolver = AdapterResolver(args.adapter_dir, args.data_dir, model=args.model)
     specs = _stack_specs(args.adapters, resolver)
     dtype = pick_dtype(args.dtype, pick_device("auto"))
-    written = export_stack(resolver.resolve(specs), args.model, out, data_dir=args.data_dir, dtype=dtype)
-    print(f"wrote {written['path']}: {written['layers']} layers, rank up to {written['rank']}, exact in "
-          f"{written['exact_in']}, from " + " + ".join(f"{s['name']} x{s['scale']}" for s in written["from"]))
+    written = export_stack(resolver.resolve(specs), args.model, out, data_dir=args.data_dir, dtype=dtype,
+                           portable=args.portable)
+    exact = f"exact in {written['exact_in']}" if written["exact_in"] else "portable (to fp32 rounding)"
+    print(f"wrote {written['path']}: {written['layers']} layers, rank up to {written['rank']}, {exact}, from " + " + ".join(f"{s['name']} x{s['scale']}" for s in written["from"]))
     return 0
 
 

@@ -110,3 +110,27 @@ def test_pattern_lookup_picks_what_peft_picks():
         for module in modules:
             assert PatternMap(patterns).lookup(module, -1) == patterns.get(get_pattern_key(keys, module), -1), \
                 (keys, module)
+
+
+def test_a_portable_file_carries_no_per_layer_alpha_and_is_the_stack_to_rounding(managers, library, data_dir,
+                                                                                 tmp_path, capsys):
+    """--portable: every layer's weight folded into B (what ComfyUI or A1111, reading no lora_adapter_metadata,
+    apply at scale 1): no per-layer alphas in the header, and merged at weight 1 within fp32 rounding of the
+    stack (bit for bit is the default file's)."""
+    out = tmp_path / "portable.safetensors"
+    assert app.main(["export-lora", "demo-inverted:0.7", "--portable", "--model", MODEL, "-o", str(out),
+                     "--data-dir", str(data_dir)]) == 0
+    assert "portable (to fp32 rounding)" in capsys.readouterr().out
+    with safe_open(str(out), "pt") as f:
+        assert "lora_adapter_metadata" not in f.metadata() and "lora_studio.exact_in" not in f.metadata()
+    m = managers(MODEL)
+    resolver = AdapterResolver([], data_dir, model=MODEL)
+    engine = m.lora_engine
+    engine.activate([(LoRARequest(a.name, next(_IDS), a.path), a.scale)
+                     for a in resolver.resolve([{"name": "demo-inverted", "scale": 0.7}])])
+    want = weights(m)
+    engine.activate([(LoRARequest("portable", next(_IDS), str(out)), 1.0)])
+    got = weights(m)
+    engine.activate([])
+    worst = max(float((want[k] - got[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)) for k in want)
+    assert 0 < worst <= 1e-6, worst  # rounding apart, and not bit for bit (one adapter alone: its weight folded)

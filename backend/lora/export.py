@@ -37,10 +37,12 @@ from .convert import MERGE_ONLY
 
 
 def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title: str | None = None,
-                 dtype: torch.dtype = torch.float32) -> dict:
+                 dtype: torch.dtype = torch.float32, portable: bool = False) -> dict:
     """Write ``resolved`` (``jobs.adapters.ResolvedAdapter`` list, in stack order) for ``model`` as one
     diffusers-layout LoRA at ``out``, exact for a model served in ``dtype``; returns {"path", "layers", "rank",
-    "from", "exact_in"}."""
+    "from", "exact_in"}. ``portable``: every layer's scale folded into its ``B`` (scale 1 everywhere, no
+    per-layer alpha), for tools that read no ``lora_adapter_metadata`` (ComfyUI, A1111): the stack to fp32
+    rounding where one weight alone is on a layer (``exact_in`` None)."""
     from safetensors.torch import save_file
 
     from ..outputs import _atomic_write
@@ -62,6 +64,8 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
     tensors, scales = {}, {}
     for (comp, module), parts in sorted(layers.items()):
         a, b, bias, c = _layer(parts, dtype)
+        if portable and c != 1.0:  # folded: B c, bias c, scale 1 (what any reader applies)
+            b, bias, c = b * c, None if bias is None else bias * c, 1.0
         tensors[f"{comp}.{module}.lora_A.weight"] = a.contiguous()
         tensors[f"{comp}.{module}.lora_B.weight"] = b.contiguous()
         if bias is not None:
@@ -70,12 +74,12 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
     stack = " + ".join(f"{s['name']} x{_shown(s['scale'])}" for s in sources)
     metadata = {"modelspec.title": title or out.stem, "modelspec.description": f"exported by LoRA Studio from "
                 f"{stack} on {model}", "lora_studio.exported_from": json.dumps(sources),
-                "lora_adapter_metadata": json.dumps(_configs(scales)),
-                "lora_studio.exact_in": str(dtype).replace("torch.", "")}
+                **({} if portable else {"lora_adapter_metadata": json.dumps(_configs(scales)),
+                                        "lora_studio.exact_in": str(dtype).replace("torch.", "")})}
     _atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     ranks = {tensors[k].shape[0] for k in tensors if k.endswith("lora_A.weight")}
     return {"path": str(out), "layers": len(layers), "rank": max(ranks), "from": sources,
-            "exact_in": str(dtype).replace("torch.", "")}
+            "exact_in": None if portable else str(dtype).replace("torch.", "")}
 
 
 def canonical_stack(resolved: list, model: str, data_dir=None,
