@@ -36,6 +36,17 @@ class DefaultsHelp(argparse.HelpFormatter):
         return text
 
 
+def _stack_command(sub, name: str, what: str, model_help: str, output: str, output_help: str):
+    """A command that takes a stack of adapters (``NAME[:WEIGHT]`` ...), ``--model`` and ``--output``."""
+    p = sub.add_parser(name, help=what)
+    p.add_argument("adapters", nargs="+", metavar="NAME[:WEIGHT]",
+                   help="library names or adapter files, each with an optional weight (default: its preferred "
+                        "weight, else 1.0), in stack order")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"{model_help} (default: %(default)s)")
+    p.add_argument("--output", "-o", required=True, metavar=output, help=output_help)
+    return p
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="where models, adapters, outputs and the job queue live "
                                       "(default: $LORA_STUDIO_HOME or ~/.cache/lora-studio)")
@@ -205,13 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     presets = sub.add_parser("presets", help="list distill presets and which files are present")
     _common(presets)
 
-    export = sub.add_parser("export-lora", help="write a stack of adapters as one LoRA file (ranks concatenated, "
-                                                "weights folded in; diffusers layout)")
-    export.add_argument("adapters", nargs="+", metavar="NAME[:WEIGHT]",
-                        help="library names or adapter files, each with an optional weight (default: its "
-                             "preferred weight, else 1.0), in stack order")
-    export.add_argument("--model", default=DEFAULT_MODEL, help="the model the stack is for (default: %(default)s)")
-    export.add_argument("--output", "-o", required=True, metavar="FILE.safetensors", help="the file to write")
+    export = _stack_command(sub, "export-lora", "write a stack of adapters as one LoRA file (its merge bit for bit; "
+                                                "diffusers layout)",
+                            "the model the stack is for", "FILE.safetensors", "the file to write")
     export.add_argument("--dtype", default="auto",
                         help="the dtype the model is served in (auto: bfloat16 with CUDA, else float32): where "
                              "adapters with different weights share a layer, the file is exact for that dtype")
@@ -221,13 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "to fp32 rounding instead of bit for bit")
     _common(export)
 
-    bake = sub.add_parser("bake", help="write a copy of the model with a stack of adapters merged into its weights "
-                                       "(a diffusers folder: --model DIR loads it)")
-    bake.add_argument("adapters", nargs="+", metavar="NAME[:WEIGHT]",
-                      help="library names or adapter files, each with an optional weight (default: its preferred "
-                           "weight, else 1.0)")
-    bake.add_argument("--model", default=DEFAULT_MODEL, help="the model to copy (default: %(default)s)")
-    bake.add_argument("--output", "-o", required=True, metavar="DIR", help="the new model folder (must not exist)")
+    bake = _stack_command(sub, "bake", "write a copy of the model with a stack of adapters merged into its weights "
+                                       "(a diffusers folder: --model DIR loads it)",
+                          "the model to copy", "DIR", "the new model folder (must not exist)")
     bake.add_argument("--dtype", default="stored",
                       help="stored (each tensor's own dtype: the checkpoint's size unchanged), float32, bfloat16 or "
                            "float16: merge in the dtype the copy will be served in (bit for bit what the PEFT "
