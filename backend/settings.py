@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -119,3 +120,25 @@ def _header_metadata(path: Path) -> dict:
             return json.loads(fh.read(size)).get("__metadata__") or {}
     except (OSError, ValueError, struct.error):
         return {}
+
+
+# A name a client gives something written under the data dir (an adapter in the library root, a baked model
+# under models/baked) becomes one file or folder name there: one plain name, no path.
+MAX_NAME_LEN = 128
+_NAME = re.compile(r"[\w][\w.+@ -]*")
+
+
+def check_plain_name(name, param: str = "name", what: str = "adapter") -> str:
+    """The one rule for a name a client gives something written to disk (UI import, service, bake):
+    word characters, digits and ``. _ - + @`` and spaces, not starting with a dot or a space, no path
+    separators, at most MAX_NAME_LEN characters. Checked before any byte is written."""
+    from .errors import InvalidParameter
+
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidParameter(f"the {what} name must be a non-empty string", param=param)
+    shown = repr(name[:60]) + ("..." if len(name) > 60 else "")
+    if len(name) > MAX_NAME_LEN or not _NAME.fullmatch(name) or name.endswith((" ", ".")) or ".." in name:
+        raise InvalidParameter(f"{what} name {shown} is not a plain file name: use letters, digits and "
+                               f"'._-+@ ' (no '/', '\\', '..', no leading dot), at most {MAX_NAME_LEN} characters",
+                               param=param)
+    return name

@@ -9,7 +9,6 @@ refused the same way, and nothing is said about whether the file exists out ther
 from __future__ import annotations
 
 import os
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,23 +166,6 @@ class AdapterResolver:
         return out
 
 
-# An adapter's name becomes a file or folder name in the library root: one plain name, no path.
-MAX_NAME_LEN = 128
-_NAME = re.compile(r"[\w][\w.+@ -]*")
-
-
-def check_adapter_name(name, param: str = "name") -> str:
-    """The one rule for a name a client gives an adapter that is written to disk (UI import,
-    service): word characters, digits and ``. _ - + @`` and spaces, not starting with a dot or
-    a space, no path separators, at most MAX_NAME_LEN characters. Checked before any byte is written."""
-    if not isinstance(name, str) or not name.strip():
-        raise InvalidParameter("the adapter name must be a non-empty string", param=param)
-    shown = repr(name[:60]) + ("..." if len(name) > 60 else "")
-    if len(name) > MAX_NAME_LEN or not _NAME.fullmatch(name) or name.endswith((" ", ".")) or ".." in name:
-        raise InvalidParameter(f"adapter name {shown} is not a plain file name: use letters, digits and "
-                               f"'._-+@ ' (no '/', '\\', '..', no leading dot), at most {MAX_NAME_LEN} characters",
-                               param=param)
-    return name
 
 
 def _scale(value, param: str):

@@ -22,9 +22,8 @@ MAX_BAKED_LISTED = 200
 def baked_path(model_id: str, data_dir=None) -> Path:
     """The folder of ``baked:NAME`` (NAME a plain name: nothing else is looked at)."""
     from .. import settings
-    from ..jobs.adapters import check_adapter_name
 
-    name = check_adapter_name(model_id[len(BAKED):], "model")
+    name = settings.check_plain_name(model_id[len(BAKED):], "model", what="model")
     return settings.models_dir(data_dir) / "baked" / name
 
 

@@ -130,10 +130,10 @@ class AdapterLibrary:
 
         ``src`` is one file (a .safetensors) or a list of files: one file imports as itself, a PEFT
         folder's ``adapter_config.json`` + ``adapter_model.safetensors`` as a folder named ``name``.
-        The name is checked first (``check_adapter_name``: a plain file name), then the files are
+        The name is checked first (``settings.check_plain_name``: a plain file name), then the files are
         staged in ``<root>/.staging/``, checked like any library file, and moved into place; the
         staging folder is removed whatever happens. Nothing is written anywhere else."""
-        from ..jobs.adapters import check_adapter_name
+        from ..settings import check_plain_name
         from ..lora.formats import inspect
 
         srcs = [Path(src)] if isinstance(src, (str, os.PathLike)) else [Path(p) for p in src]
@@ -141,7 +141,7 @@ class AdapterLibrary:
             raise InvalidParameter("choose a file to import", param="path")
         if name is None or not str(name).strip():
             name = (srcs[0].name if srcs[0].is_dir() else srcs[0].stem) if len(srcs) == 1 else srcs[0].parent.name
-        name = check_adapter_name(name, "name")
+        name = check_plain_name(name, "name")
         for p in srcs:
             if not p.is_file() and not (len(srcs) == 1 and p.is_dir()):
                 raise AdapterNotFound(f"{p.name}: no such file to import", param="path")
@@ -183,10 +183,10 @@ class AdapterLibrary:
         """A stack (``[{"name" or "path", "scale"}]``, resolved as a request's) written exactly as one LoRA file
         into the library root as ``<name>.safetensors`` (``backend/lora/export.py``); returns the new row and
         what was written."""
-        from ..jobs.adapters import check_adapter_name
+        from ..settings import check_plain_name
         from ..lora.export import export_stack
 
-        name = check_adapter_name(name, "name")
+        name = check_plain_name(name, "name")
         check_request(self.core.limits, None, {}, {}, specs)  # --max-adapters, before any file is read
         target = self.core.resolver.roots[0] / f"{name}.safetensors"
         if os.path.lexists(target) or name in {r["name"] for r in self.adapters()}:
@@ -199,14 +199,14 @@ class AdapterLibrary:
         """The loaded model with a stack (as a request's) merged into a copy, ``<data-dir>/models/baked/<name>``,
         in the serving dtype (``backend/lora/bake.py``); returns its id ``baked:<name>`` and what was written.
         A copy can take the disk of the whole model: where several users share the server, admins only."""
-        from ..jobs.adapters import check_adapter_name
+        from ..settings import check_plain_name
         from ..lora.bake import bake_stack
         from ..models.resolve import BAKED, baked_path
 
         if user is not None and not user.admin:
             raise PathNotAllowed("baking a model writes a copy of it to the server's disk: admins only",
                                  param="name")
-        name = check_adapter_name(name, "name")
+        name = check_plain_name(name, "name", what="model")
         check_request(self.core.limits, None, {}, {}, specs)  # --max-adapters, before any file is read
         target = baked_path(BAKED + name, self.core.data_dir)
         if os.path.lexists(target):
