@@ -259,6 +259,8 @@ def test_an_adapters_preferred_weight_is_what_a_request_naming_no_weight_gets(se
 def test_a_stack_exported_over_http_draws_what_the_stack_draws(server, data_dir):
     """#28 item 5: POST /v1/loras/export writes the stack as one LoRA into the library under a plain name; the
     exported adapter draws the stack's image exactly; a taken name or a path as a name is refused."""
+    from safetensors import safe_open
+
     _, url = server
     stack = [{"name": "demo-inverted", "scale": 0.7}, {"name": "demo-outline", "scale": -1.3}]
     r = httpx.post(f"{url}/v1/loras/export", json={"lora": stack, "name": "ink-film"}, timeout=120)
@@ -273,8 +275,17 @@ def test_a_stack_exported_over_http_draws_what_the_stack_draws(server, data_dir)
         bad = httpx.post(f"{url}/v1/loras/export", json={"lora": stack, "name": "../../escape"}, timeout=120)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "name"
         assert not (data_dir / "escape.safetensors").exists()
+        # portable: the weights folded in, no per-layer alpha in the header (for readers that ignore it)
+        r = httpx.post(f"{url}/v1/loras/export", json={"lora": stack[:1], "name": "ink-portable", "portable": True},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["exact_in"] is None, r.text
+        with safe_open(str(data_dir / "adapters" / "ink-portable.safetensors"), "pt") as f:
+            assert "lora_adapter_metadata" not in f.metadata()
+        assert np.abs(_image(url, lora={"name": "ink-portable"}).astype(int)
+                      - _image(url, lora=stack[:1]).astype(int)).max() <= 1
     finally:
         (data_dir / "adapters" / "ink-film.safetensors").unlink()
+        (data_dir / "adapters" / "ink-portable.safetensors").unlink(missing_ok=True)
 
 
 def test_a_text_encoder_lora_is_weighted_apart_over_http_and_in_the_a1111_tag(server, data_dir):

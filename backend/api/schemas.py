@@ -145,8 +145,8 @@ class LoadAdapterRequest(_Text):
     lora_path: str = Field(min_length=1)
 
 
-class ExportAdapterRequest(_Text):
-    """``POST /v1/loras/export``: a stack written as one LoRA into the library under ``name``."""
+class _StackRequest(_Text):
+    """A stack (the ``lora`` object or list, as in a generation request) and the ``name`` of what it becomes."""
 
     model_config = ConfigDict(extra="forbid")
     lora: LoraSpec | list[LoraSpec]
@@ -156,7 +156,14 @@ class ExportAdapterRequest(_Text):
         return [s.as_request() for s in (self.lora if isinstance(self.lora, list) else [self.lora])]
 
 
-class BakeModelRequest(ExportAdapterRequest):
+class ExportAdapterRequest(_StackRequest):
+    """``POST /v1/loras/export``: a stack written as one LoRA into the library under ``name``; ``portable``:
+    every layer's weight folded into its factors (no per-layer alpha), for tools that read no header config."""
+
+    portable: bool = False
+
+
+class BakeModelRequest(_StackRequest):
     """``POST /v1/models/bake``: the loaded model with a stack merged in, as ``baked:<name>``."""
 
 

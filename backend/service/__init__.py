@@ -164,8 +164,8 @@ class Studio:
     def delete_adapter(self, name: str) -> dict:
         return self.library.delete_adapter(name)
 
-    def export_adapter(self, specs: list[dict], name: str) -> dict:
-        return self.library.export_adapter(specs, name)
+    def export_adapter(self, specs: list[dict], name: str, portable: bool = False) -> dict:
+        return self.library.export_adapter(specs, name, portable)
 
     def bake_model(self, specs: list[dict], name: str, user: User | None = None) -> dict:
         return self.library.bake_model(specs, name, user)

@@ -179,7 +179,7 @@ class AdapterLibrary:
             shutil.rmtree(stage, ignore_errors=True)
         return self.adapter_detail(name)
 
-    def export_adapter(self, specs: list[dict], name: str) -> dict:
+    def export_adapter(self, specs: list[dict], name: str, portable: bool = False) -> dict:
         """A stack (``[{"name" or "path", "scale"}]``, resolved as a request's) written exactly as one LoRA file
         into the library root as ``<name>.safetensors`` (``backend/lora/export.py``); returns the new row and
         what was written."""
@@ -192,7 +192,7 @@ class AdapterLibrary:
         if os.path.lexists(target) or name in {r["name"] for r in self.adapters()}:
             raise InvalidParameter(f"an adapter named {name!r} already exists in the library", param="name")
         written = export_stack(self.core.resolver.resolve(specs), self.core.current_model(), target,
-                               data_dir=self.core.data_dir, title=name, dtype=self._serving_dtype())
+                               data_dir=self.core.data_dir, title=name, dtype=self._serving_dtype(), portable=portable)
         return {"adapter": self.adapter_detail(name), **written}
 
     def bake_model(self, specs: list[dict], name: str, user: User | None = None) -> dict:
