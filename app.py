@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="what to generate (required)")
     gen.add_argument("--negative-prompt", default=None, help="what to steer away from (Qwen: needs "
                      "--true-cfg-scale > 1)")
-    gen.add_argument("--image", help="input image (image-to-video: the first frame)")
+    gen.add_argument("--image", help="input image (image-to-video: the first frame; Qwen-Image and SD3.5: "
+                     "img2img, the picture to start from)")
+    gen.add_argument("--strength", type=float, help="img2img: how far from --image, in (0, 1] (default: 0.75)")
     gen.add_argument("--num-frames", type=int, metavar="N", help=f"video frames, Wan: 4k+1 (default: {unset})")
     gen.add_argument("--num-inference-steps", type=int, metavar="N",
                      help=f"denoising steps (default: {unset})")
@@ -253,7 +255,7 @@ GENERATION_FLAGS = {  # CLI flag (dest) -> generation field
     "guidance_scale_high": "guidance_scale_2", "boundary_ratio": "boundary_ratio",
     "true_cfg_scale": "true_cfg_scale", "seed": "seed",
     "task_type": "task_type", "last_image": "last_image", "reference": "references",
-    "audio_flow_shift": "audio_flow_shift",
+    "audio_flow_shift": "audio_flow_shift", "strength": "strength",
 }
 
 

@@ -235,7 +235,8 @@ class PipelineManager:
                 raise StudioError("this pipeline manager has no LoRA engine attached (backend.lora.attach)",
                                   param="lora_request")
             started = time.time()
-            engine, steps = self.lora_engine, params.get("num_inference_steps")
+            # the steps that run: all, or img2img's share of them (what a step schedule and the bar count)
+            engine, steps = self.lora_engine, param_rules.img2img_steps(params)
             # lora_mode / queued_same / steps: the merge-or-unfused policy (backend/lora/policy.py)
             applied = engine.activate(adapters or [], steps=steps, mode=lora_mode,
                                       queued_same=queued_same) if engine is not None else []
@@ -271,11 +272,19 @@ class PipelineManager:
         preview = self.live_preview()
         return lambda index=0: preview.image(latents, params.get("height"), params.get("width"), index)
 
+    def img2img_pipeline(self):
+        """The loaded pipeline's img2img sibling (``PipelineSpec.img2img``) over the very same components
+        (``from_pipe``: no weight copied, so adapters merged, a fused preset and the scheduler swapped for
+        this request are what it runs with), made per request: it costs no memory and nothing goes stale."""
+        import diffusers
+
+        return getattr(diffusers, self.spec.img2img).from_pipe(self.pipeline)
+
     def _run(self, params: dict, on_step, cancel, on_preview=None):
-        pipe = self.pipeline
+        pipe = self.img2img_pipeline() if self.spec.img2img and params.get("image") is not None else self.pipeline
         kwargs = {k: v for k, v in params.items()
                   if k not in ("seed", "fps", "flow_shift", "sample_solver", "boundary_ratio")}
-        total = params.get("num_inference_steps")
+        total = param_rules.img2img_steps(params)
 
         def step_end(pipeline, i, t, tensors):
             if cancel is not None and cancel.is_set():

@@ -31,6 +31,8 @@ def _one_of(choices) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
+IMG2IMG_STRENGTH = 0.75  # img2img's strength when a request gives an image and no strength (A1111's default)
+
 FIELDS: dict[str, Field] = {
     "prompt": Field(str, lambda v: v.strip() != "", "a non-empty string"),
     "negative_prompt": Field((str, type(None))),
@@ -49,6 +51,8 @@ FIELDS: dict[str, Field] = {
     "max_sequence_length": Field(int, lambda v: 1 <= v <= 4096, "an integer in [1, 4096]"),
     # an input image: a PIL image, or a path to one
     "image": Field(object, None, "an image"),
+    # img2img: how far from the input image (1: all the way, as text-to-image would)
+    "strength": Field(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     # MiniMax-H3
     "task_type": Field(str, lambda v: v in families.task_types(), _one_of(families.task_types())),
     "audio_flow_shift": Field(float, lambda v: 0 < v <= 100, "a number in (0, 100]"),
@@ -78,10 +82,29 @@ def validate(spec: PipelineSpec, request: dict, defaults: dict | None = None) ->
     for name in sorted(spec.required):
         if params.get(name) is None:
             raise InvalidParameter(f"{name!r} is required for {spec.class_name}", param=name)
+    check_img2img(spec, params)
+    if spec.img2img and params.get("image") is not None:
+        params.setdefault("strength", IMG2IMG_STRENGTH)  # (any strength > 0 runs at least one step)
     check_shape(spec, params)
     if params.get("seed") in (None, -1):  # -1: random, as in A1111 (the seed used is in the metadata)
         params["seed"] = random.randrange(2**31)
     return params
+
+
+def check_img2img(spec: PipelineSpec, params: dict) -> None:
+    """A strength needs an input image to move from (checked at submit and again by the worker)."""
+    if spec.img2img and params.get("strength") is not None and params.get("image") is None:
+        raise InvalidParameter("'strength' is how far img2img moves from its input image: give 'image' too "
+                               "(or leave 'strength' out for text-to-image)", param="strength")
+
+
+def img2img_steps(params: dict) -> int:
+    """How many of ``num_inference_steps`` an img2img request runs: diffusers' ``get_timesteps`` skips the
+    first ``steps - int(steps x strength)``; a request with no input image runs them all."""
+    steps = params.get("num_inference_steps")
+    if steps is None or params.get("image") is None or params.get("strength") is None:
+        return steps
+    return steps - int(max(steps - min(steps * params["strength"], steps), 0))
 
 
 def check_field(name: str, value):
@@ -105,14 +128,15 @@ def check_field(name: str, value):
 
 
 def _size_from_image(spec: PipelineSpec, params: dict, request: dict) -> None:
-    """Image-to-video: height and width the request left unset follow the input image's aspect
+    """Image-to-video and img2img: height and width the request left unset follow the input image's aspect
     ratio, keeping the default's pixel count and the model's size multiple."""
     import math
 
     from PIL import Image
 
     image = params.get("image")
-    if not isinstance(image, Image.Image) or not str(getattr(spec, "output", "")).startswith("video"):
+    if not isinstance(image, Image.Image) or not (str(getattr(spec, "output", "")).startswith("video")
+                                                  or getattr(spec, "img2img", None)):
         return
     if not {"height", "width"} <= set(spec.fields):
         return

@@ -200,6 +200,7 @@ def infotext(meta: dict) -> str:
                 ("Seed", params.get("seed", meta.get("seed"))),
                 ("Size", f"{params['width']}x{params['height']}" if params.get("width") and params.get("height")
                  else None),
+                ("Denoising strength", params.get("strength")),  # img2img's (A1111 writes it so)
                 ("Model", meta.get("model")), ("Distill preset", meta.get("preset")),
                 ("LoRA weights not shown as tags", ", ".join(other) or None)]
     lines.append(", ".join(f"{k}: {_setting(v)}" for k, v in settings if v not in (None, "")))
@@ -239,6 +240,8 @@ def parse_a1111(text: str) -> dict | None:
                 params["guidance_scale"] = float(value)
             elif key == "Seed":
                 params["seed"] = int(value)
+            elif key == "Denoising strength" and "Hires upscale" not in settings:  # img2img's, not hires fix's
+                params["strength"] = float(value)
             elif key == "Size" and _SIZE.match(value):
                 w, h = _SIZE.match(value).groups()
                 params["width"], params["height"] = int(w), int(h)

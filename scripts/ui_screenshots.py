@@ -11,7 +11,8 @@ Generate tab while the first result is shown and the others run (with its live p
 (docs/img/generate.png),
 then opens the LoRA browser and shoots its cards (docs/img/lora-browser.png; adapters with
 ``modelspec.thumbnail`` / ``modelspec.trigger_phrase`` / kohya ``ss_tag_frequency`` metadata make
-the cards worth looking at).
+the cards worth looking at), then an X/Y/Z plot of the first adapter's weight by seed
+(docs/img/xyz.png) and the Queue tab (docs/img/queue.png).
 """
 from __future__ import annotations
 
@@ -63,10 +64,42 @@ def main(url: str, out_dir: Path) -> int:
         page.screenshot(path=str(out_dir / "generate.png"), full_page=True)
         page.locator("#cancel-btn").click()
         lora_browser(page, out_dir / "lora-browser.png")
+        xyz_plot(page, out_dir / "xyz.png")
+        queue_tab(page, out_dir / "queue.png")
         browser.close()
-    print(out_dir / "generate.png")
-    print(out_dir / "lora-browser.png")
+    for name in ("generate", "lora-browser", "xyz", "queue"):
+        print(out_dir / f"{name}.png")
     return 0
+
+
+def xyz_plot(page, out: Path) -> None:
+    """The X/Y/Z tab: the first stack adapter's weight by seed, shot finished (the labelled plot)."""
+    weight = page.evaluate("() => document.querySelector('#stack-name-0 input, #stack-name-0 textarea')?.value")
+    for field, value in (("num_inference_steps", "8"), ("height", "128"), ("width", "128")):
+        box = page.locator(f"#field-{field} input")
+        box.fill(value)
+        box.press("Tab")
+    page.get_by_role("tab", name="X/Y/Z plot").click()
+    axes = ((f"Weight: {weight}" if weight else "Seed", "0, 0.5, 1" if weight else "1, 2, 3"), ("Seed", "7, 8"))
+    for axis, (kind, values) in zip("xy", axes):
+        page.locator(f"#xyz-{axis}-kind input").click()
+        page.get_by_role("option", name=kind, exact=True).first.click()
+        box = page.locator(f"#xyz-{axis}-values textarea, #xyz-{axis}-values input").first
+        box.fill(values)
+        box.press("Tab")
+    page.locator("#xyz-go").click()
+    page.wait_for_selector("#xyz-status [data-path]")
+    page.wait_for_selector("#xyz-grid img")
+    time.sleep(1.0)
+    page.screenshot(path=str(out), full_page=True)
+
+
+def queue_tab(page, out: Path) -> None:
+    """The Queue tab: short job numbers, nine columns that fit the page."""
+    page.get_by_role("tab", name="Queue").click()
+    page.wait_for_selector("#queue-table tbody tr")
+    time.sleep(1.5)
+    page.screenshot(path=str(out), full_page=False)
 
 
 def lora_browser(page, out: Path) -> None:

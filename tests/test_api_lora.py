@@ -358,3 +358,46 @@ def test_a_stack_baked_over_http_is_served_as_its_own_model(server, data_dir):
     finally:
         _image(url, model="demo:qwen-image")  # the module's server goes back to its model
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_an_adapter_made_for_another_model_is_refused_before_it_is_queued(server):
+    """#26 "refused too late": a `<lora:>` tag (or a lora object) naming an adapter that does not fit the
+    model was queued, then failed in the worker with a wall of tensor keys. Now: refused at submit, by
+    name, in one plain line, and no job is made."""
+    studio, url = server
+    before = {j["id"] for j in studio.jobs(limit=1000)}
+    for body in ({"prompt": "a lighthouse <lora:sd35-watercolor:0.8>"}, {"lora": {"name": "sd35-watercolor"}}):
+        r = httpx.post(f"{url}/v1/images/generations", json={**FAST, **body}, timeout=120)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        plain, report = message.split(". Its fit report: ")
+        assert plain.startswith("adapter 'sd35-watercolor' (sd35-watercolor.safetensors) does not fit "
+                                "demo:qwen-image: "), message
+        assert "of its layers have other sizes in demo:qwen-image" in plain and "_" not in plain.split(")")[1]
+        assert report.startswith("refused: ") and report.count("vs model") <= 4 and "/" not in message, message
+    assert {j["id"] for j in studio.jobs(limit=1000)} == before
+    # the one that fits still runs, tagged the same way
+    assert not np.array_equal(_image(url, prompt="a lighthouse <lora:demo-inverted:1>"), _image(url))
+
+
+def test_img2img_over_http_starts_from_the_image_sent(server):
+    """#26 img2img: /v1/images/generations with an input image (base64) and a strength: near the image at a
+    low strength, the text-to-image picture far from it; a strength with no image is refused by name."""
+    studio, url = server
+    red = Image.new("RGB", (64, 64), (220, 30, 30))
+    buf = io.BytesIO()
+    red.save(buf, format="PNG")
+    sent = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    ask = {"prompt": "a blue digit 7 on a white background", "num_inference_steps": 8}
+    text = _image(url, **ask)
+    near = _image(url, **ask, image=sent, strength=0.25)
+    far = _image(url, **ask, image=sent, strength=0.9)
+    dist = {k: float(np.abs(v.astype(float) - np.asarray(red, dtype=float)).mean())
+            for k, v in (("0.25", near), ("0.9", far), ("text", text))}
+    assert dist["0.25"] < dist["0.9"] and dist["0.25"] < 0.6 * dist["text"], dist
+    job = studio.jobs(limit=1)[0]
+    assert job["params"]["strength"] == 0.9 and job["result"]["metadata"]["params"]["strength"] == 0.9
+    count = len(studio.jobs(limit=1000))
+    r = httpx.post(f"{url}/v1/images/generations", json={**FAST, "strength": 0.5}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "strength", r.text
+    assert len(studio.jobs(limit=1000)) == count  # refused at submit: no job made

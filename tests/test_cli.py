@@ -52,12 +52,33 @@ def test_i2v_flags_as_in_vllm_omni(data_dir, tmp_path):
     assert iio.imread(out, plugin="FFMPEG").shape[0] == 9
 
 
+def test_img2img_from_the_command_line(data_dir, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    image = tmp_path / "red.png"
+    Image.new("RGB", (64, 64), (220, 30, 30)).save(image)
+    outs = {}
+    for name, extra in (("text", ()), ("near", ("--image", str(image), "--strength", "0.25"))):
+        outs[name] = tmp_path / f"{name}.png"
+        proc = run("generate", "--model", "demo:qwen-image", "--prompt", "a blue digit 7 on a white background",
+                   "--seed", "3", "--num-inference-steps", "8", "--true-cfg-scale", "1", *extra,
+                   "--output", str(outs[name]), data_dir=data_dir)
+        assert proc.returncode == 0, proc.stderr
+    red = np.asarray(Image.open(image).convert("RGB"), dtype=float)
+    dist = {k: float(np.abs(np.asarray(Image.open(p).convert("RGB"), dtype=float) - red).mean())
+            for k, p in outs.items()}
+    assert dist["near"] < 0.6 * dist["text"], dist
+    assert read_png_metadata(outs["near"])["params"]["strength"] == 0.25
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--model", "demo:wan2.2-t2v", "--num-frames", "10"], "'num_frames' must be 4k+1"),
     (["--model", "demo:nope"], "unknown demo model 'demo:nope'"),
     (["--model", "demo:sd3.5", "--height", "70"], "'height' must be a multiple of 16"),
     (["--model", "demo:wan2.2-i2v", "--image", "/nonexistent.png"], "'image' file '/nonexistent.png' does not exist"),
     (["--model", "demo:sd3.5", "--sample-solver", "ddim"], "invalid choice: 'ddim'"),
+    (["--model", "demo:sd3.5", "--strength", "0.5"], "'strength' is how far img2img moves from its input image"),
 ])
 def test_bad_input_exits_2_with_one_line(args, fragment, data_dir):
     proc = run("generate", "--prompt", "x", *args, data_dir=data_dir)

@@ -1,6 +1,8 @@
 """The adapter library listing (fit per adapter) and the Omni API with the PEFT backend."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -34,6 +36,10 @@ def test_listing_shows_fit_for_the_model(library, data_dir, tmp_path):
     assert rows["old"]["targets"] == []
     # a foreign adapter's shapes are named, both sides
     assert "adapter (8, 32) vs model (8, 128)" in rows["sd35-watercolor"]["fit"]
+    # and in one plain line (the LoRA browser's misfit line; the submit-time refusal, #26)
+    assert re.fullmatch(r"\d+ of its layers have other sizes in demo:qwen-image \(made for another model\)",
+                        rows["sd35-watercolor"]["fit_reason"]), rows["sd35-watercolor"]["fit_reason"]
+    assert rows["demo-inverted"]["fit_reason"] == ""
     assert "pickle" in rows["old"]["fit"] and rows["old"]["fits"] is False
     table = format_rows(list(rows.values()))
     assert table.splitlines()[0].split() == ["name", "format", "rank", "alpha", "size", "sha256", "fit"]

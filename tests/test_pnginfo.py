@@ -243,3 +243,16 @@ def test_text_encoder_weights_apart_are_written_and_read_as_a1111s_te_unet_tag()
     assert text.splitlines()[0] == "a cat <lora:style:0.25:1>", text
     assert parse_a1111(text)["adapters"] == [{"name": "style", "scale": {"text_encoder": 0.25, "denoisers": 1.0}}]
     assert parse_a1111("a dog <lora:x:0.5:1:8>\nSteps: 4, Sampler: Euler, Seed: 1")["adapters"] == [{"name": "x", "scale": 1.0}]
+
+
+def test_img2img_strength_is_a1111s_denoising_strength_but_not_hires_fixs():
+    from backend.pnginfo import infotext
+
+    meta = {"model": "demo:qwen-image", "adapters": [],
+            "params": {"prompt": "a cat", "seed": 5, "num_inference_steps": 8, "strength": 0.35, "width": 64,
+                       "height": 64}}
+    text = infotext(meta)
+    assert "Denoising strength: 0.35" in text and parse_a1111(text)["params"]["strength"] == 0.35
+    hires = "a cat\nSteps: 20, Seed: 1, Size: 512x512, Denoising strength: 0.7, Hires upscale: 2"
+    got = parse_a1111(hires)
+    assert "strength" not in got["params"] and got["extra"]["Denoising strength"] == "0.7"

@@ -105,6 +105,25 @@ def test_cancel_queued_now_running_by_flag(tmp_path):
     assert exc.value.http_status == 404
 
 
+def test_a_job_has_a_short_number_that_finds_it(tmp_path):
+    """#26: the UI showed 16-hex job ids. Each job has a number (its place in the queue's order, never
+    reused), by which it can be read and cancelled as by its id; a number no job has is an unknown job."""
+    q = _q(tmp_path)
+    jobs = [_submit(q) for _ in range(3)]
+    assert [j["number"] for j in jobs] == [1, 2, 3]
+    for ref in (2, "2", "#2"):
+        assert q.get(ref)["id"] == jobs[1]["id"]
+    job, running = q.cancel("#3")
+    assert job["id"] == jobs[2]["id"] and job["status"] == "cancelled" and not running
+    assert q.get(jobs[2]["id"])["status"] == "cancelled" and q.get(jobs[0]["id"])["status"] == "queued"
+    for ref in ("#4", "0", "#", "#2x", "1" * 13):
+        with pytest.raises(JobNotFound, match="no job with id"):
+            q.get(ref)
+    q.close()
+    again = _q(tmp_path)  # numbers survive a restart and are not reused
+    assert again.get("#1")["id"] == jobs[0]["id"] and _submit(again)["number"] == 4
+
+
 def test_restart_requeues_a_running_job_once_then_fails_it(tmp_path):
     q = _q(tmp_path)
     job = _submit(q)["id"]

@@ -106,9 +106,14 @@ def test_another_users_job_is_refused_exactly_as_an_unknown_id(users_srv, work):
         _not_found(c.delete(f"/v1/jobs/{alice}"), alice)
         for guess in [uuid.uuid4().hex[:16] for _ in range(50)] + [alice[:-1] + "0", alice.upper()]:
             _not_found(c.get(f"/v1/jobs/{guess}"), guess)
+        # by its short number (#26) as by its id: the unknown-job answer
+        number = str(work["alice"]["number"])
+        _not_found(c.get(f"/v1/jobs/{number}"), number)
+        _not_found(c.delete(f"/v1/jobs/%23{number}"), "#" + number)
     with users_srv.client(headers=_key("alice")) as c:
         job = c.get(f"/v1/jobs/{alice}").json()
         assert job["status"] == "succeeded" and job["params"]["prompt"] == "a red digit 1", job
+        assert c.get(f"/v1/jobs/%23{job['number']}").json()["id"] == alice
         assert c.get(f"/v1/jobs/{alice}/preview").status_code == 204
 
 
@@ -237,12 +242,13 @@ def test_in_the_browser_a_user_sees_their_own_queue_and_gallery(users_srv, work)
             job = wait_for("bob's job from the Generate tab", lambda: next(
                 (j for j in bobs() if j["id"] not in before and j["status"] == "succeeded"), None), page=page)
             assert job["owner"] == "bob" and job["params"]["prompt"] == "a blue digit 5", job
-            expect(page.locator("#gen-status")).to_contain_text(job["id"])  # its line in the job list
+            expect(page.locator("#gen-status")).to_contain_text(f"Job #{job['number']}")  # its line in the job list
             page.get_by_role("tab", name="Queue").click()
             table = page.locator("#queue-table")
-            expect(table).to_contain_text(job["id"])
+            expect(table.locator("tbody tr").first.locator("td").first).to_have_text(f"#{job['number']}")
+            numbers = {td.text_content().strip() for td in table.locator("tbody tr td:first-child").all()}
             for other in ("alice", "ci"):
-                assert work[other]["id"] not in table.inner_text()
+                assert f"#{work[other]['number']}" not in numbers, numbers
             page.get_by_role("tab", name="Gallery").click()
             mine = [j for j in bobs() if j["status"] == "succeeded"]
             expect(page.locator("#gallery-page .ls-page")).to_have_attribute("data-total", str(len(mine)))

@@ -16,7 +16,7 @@ from PIL import Image
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
-from ui_browser import (add_to_stack, all_jobs, browser, expect, fill, generate, needs_chromium,  # noqa: F401
+from ui_browser import (FINISHED, add_to_stack, all_jobs, browser, expect, fill, generate, needs_chromium,  # noqa: F401
                         open_page, page, reload, shot, wait_for)
 
 PRESET = "qwen-image-2512-lightning-4step"
@@ -379,6 +379,18 @@ def test_queue_table_shows_prompt_created_took_and_error(page, app):  # noqa: F8
     # (Playwright delivers request events while it runs: the check lets it run a moment each time)
     wait_for("the queue timer's ticks", lambda: page.wait_for_timeout(100) or len(ticks) >= seen + 12, timeout=30)
     assert table.locator("[data-marked='1']").count() == 1, "the idle table was redrawn"
+
+    # #26: jobs go by short numbers (were 16-hex ids); the box takes the number shown
+    assert cell.text_content().strip() == f"#{all_jobs(app)[0]['number']}"
+    newest = next(j for j in all_jobs(app) if j["kind"] == "generate")
+    fill(page, "queue-job", f"#{newest['number']}")
+    page.locator("#queue-retry").click()
+    expect(page.locator("#queue-status")).to_contain_text(re.compile(rf"job #{newest['number']} queued again as "
+                                                                     r"job #\d+"))
+    again = int(re.search(r"as job #(\d+)", page.locator("#queue-status").inner_text()).group(1))
+    retried = wait_for("the retried job", lambda: next((j for j in all_jobs(app) if j["number"] == again
+                                                        and j["status"] in FINISHED), None))
+    assert retried["params"]["prompt"] == newest["params"]["prompt"] and retried["status"] == "succeeded", retried
 
 
 def test_lora_tag_in_the_prompt_equals_the_stack(page, app):  # noqa: F811

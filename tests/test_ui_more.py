@@ -19,6 +19,17 @@ from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
 pytestmark = needs_chromium
 
 
+def queue_plot(page, x: tuple[str, str], y: tuple[str, str] = ("(nothing)", ""),
+               z: tuple[str, str] = ("(nothing)", "")) -> None:
+    """On the X/Y/Z tab: each axis's kind and values, then *Queue plot*."""
+    page.get_by_role("tab", name="X/Y/Z plot").click()
+    for axis, (kind, values) in zip("xyz", (x, y, z)):
+        choose(page, f"xyz-{axis}-kind", kind)
+        if values:
+            fill(page, f"xyz-{axis}-values", values)
+    page.locator("#xyz-go").click()
+
+
 def test_xyz_plot_scale_by_seed_is_one_labelled_png(page, app, lora_files):  # noqa: F811
     app.add_adapter(lora_files["style"], "plot-style")
     reload(page)
@@ -28,13 +39,7 @@ def test_xyz_plot_scale_by_seed_is_one_labelled_png(page, app, lora_files):  # n
     add_to_stack(page, "plot-style")
     before = {j["id"] for j in all_jobs(app)}
 
-    page.get_by_role("tab", name="X/Y/Z plot").click()
-    choose(page, "xyz-x-kind", "LoRA scale (whole stack)")
-    fill(page, "xyz-x-values", "0, 1")
-    choose(page, "xyz-y-kind", "Seed")
-    fill(page, "xyz-y-values", "3, 4")
-    choose(page, "xyz-z-kind", "(nothing)")
-    page.locator("#xyz-go").click()
+    queue_plot(page, ("LoRA scale (whole stack)", "0, 1"), ("Seed", "3, 4"))
     status = page.locator("#xyz-status [data-path]")
     expect(status).to_be_visible()
     expect(page.locator("#xyz-status")).to_contain_text("4 cells")
@@ -87,6 +92,64 @@ def test_xyz_plot_scale_by_seed_is_one_labelled_png(page, app, lora_files):  # n
     assert got.status_code == 200 and got.content == open(path, "rb").read()
     page.get_by_role("tab", name="Generate").click()
     page.locator("#stack-remove-0").click()
+
+
+def test_xyz_weight_axis_eta_and_cancel_keep_the_finished_cells(page, app, lora_files):  # noqa: F811
+    """#26: the X/Y/Z plot had no cancel and no overall ETA. A plot of one stack adapter's weight (the
+    "Weight: NAME" axis) by seed shows its ETA while it runs; Cancel stops the cells not finished, and the
+    plot is still drawn and saved: the finished cells as their pictures, the others marked cancelled."""
+    app.add_adapter(lora_files["style"], "eta-style")
+    app.add_adapter(lora_files["style"], "eta-other")
+    reload(page)
+    fill(page, "prompt", "a plotted harbour")
+    fill(page, "field-num_inference_steps", 30)
+    fill(page, "seed", 5)
+    add_to_stack(page, "eta-other")
+    choose(page, "adapter-pick", "eta-style")
+    page.locator("#adapter-add").click()
+    expect(page.locator("#stack-name-1 textarea, #stack-name-1 input").first).to_have_value("eta-style")
+    fill(page, "stack-scale-0", 0.5)
+    before = {j["id"] for j in all_jobs(app)}
+
+    queue_plot(page, ("Weight: eta-style", "0, 1"), ("Seed", "1, 2, 3, 4, 5, 6"))
+    # the plot's line: cells finished, the running cell's step and the time left, once a cell has run
+    line = page.locator("#xyz-status .ls-plot")
+    page.wait_for_function("() => { const e = document.querySelector('#xyz-status .ls-plot');"
+                           " return e && +e.dataset.done >= 1 && e.dataset.eta !== ''; }", timeout=TIMEOUT_MS)
+    expect(line).to_contain_text("s left")
+    expect(line).to_have_attribute("data-total", "12")
+    shot(page, "xyz-eta")
+    page.locator("#xyz-cancel").click()
+    status = page.locator("#xyz-status [data-path]")
+    expect(status).to_be_visible()
+    expect(page.locator("#xyz-status")).to_contain_text("cancelled")
+
+    jobs = {j["id"]: j for j in all_jobs(app) if j["id"] not in before}
+    assert len(jobs) == 12 and {j["status"] for j in jobs.values()} <= {"succeeded", "cancelled"}, jobs
+    done = [j for j in jobs.values() if j["status"] == "succeeded"]
+    assert 1 <= len(done) < 12, [j["status"] for j in jobs.values()]
+    sidecar = json.loads(open(status.get_attribute("data-path") + ".json").read())
+    layout = sidecar["layout"]
+    grid = Image.open(status.get_attribute("data-path")).convert("RGB")
+    cells = {(c["y"], c["x"]): c for c in sidecar["cells"]}
+    for box in layout["boxes"]:
+        cell = cells[(box["y"], box["x"])]
+        job = jobs[cell["job"]]
+        # the weight axis sets eta-style alone; eta-other keeps its 0.5
+        assert [(a["name"], a["scale"]) for a in job["adapters"]] == [("eta-other", 0.5),
+                                                                        ("eta-style", [0.0, 1.0][box["x"]])]
+        assert job["params"]["seed"] == box["y"] + 1
+        crop = np.asarray(grid.crop(tuple(box["box"])))
+        if job["status"] == "succeeded":
+            own = Image.open(job["result"]["path"]).convert("RGB").resize(tuple(layout["cell_box_size"]),
+                                                                           Image.NEAREST)
+            assert np.array_equal(crop, np.asarray(own)), box
+        else:
+            assert (crop == 200).all(axis=-1).mean() > 0.5, box  # the grey "cancelled" box
+    page.get_by_role("tab", name="Generate").click()
+    page.locator("#stack-remove-1").click()
+    page.locator("#stack-remove-0").click()
+    fill(page, "field-num_inference_steps", 2)
 
 
 def info_png(path, **chunks):
@@ -333,6 +396,45 @@ def test_a_finished_job_changes_the_title_and_notifies(browser, app):  # noqa: F
         assert page.title() == "LoRA Studio"
     finally:
         context.close()
+
+
+def test_img2img_from_the_generate_tab(browser, app, tmp_path):  # noqa: F811
+    """#26 "no img2img for image models": on Qwen-Image the Generate tab takes an input image and a denoising
+    strength; the picture starts from the image (near it at 0.25, the text-to-image one is far), and with the
+    image cleared the same fields run text-to-image again (the strength is not sent without an image)."""
+    red = tmp_path / "red.png"
+    Image.new("RGB", (64, 64), (220, 30, 30)).save(red)
+    page = open_page(browser, app)
+    try:
+        expect(page.locator("#field-image")).to_contain_text("img2img: the picture to start from")
+        fill(page, "prompt", "a blue digit 7 on a white background")
+        fill(page, "seed", 3)
+        fill(page, "field-num_inference_steps", 8)
+        fill(page, "field-height", 64)
+        fill(page, "field-width", 64)
+        text = generate(page, app)
+        assert text["status"] == "succeeded" and "strength" not in text["params"], text
+        page.locator("#field-image input[type=file]").set_input_files(str(red))
+        expect(page.locator("#field-image img")).to_be_visible()
+        fill(page, "field-strength", 0.25)
+        job = generate(page, app)
+        assert job["status"] == "succeeded" and job["params"]["strength"] == 0.25, job
+        assert np.array_equal(np.asarray(Image.open(job["params"]["image"]).convert("RGB")),
+                              np.asarray(Image.open(red).convert("RGB")))
+
+        def dist(j):
+            out = np.asarray(Image.open(j["result"]["path"]).convert("RGB"), dtype=float)
+            return float(np.abs(out - np.asarray(Image.open(red).convert("RGB"), dtype=float)).mean())
+
+        assert dist(job) < 0.6 * dist(text), (dist(job), dist(text))
+        shot(page, "generate-img2img")
+        page.locator("#field-image button[aria-label='Remove Image']").first.click()
+        expect(page.locator("#field-image img")).to_have_count(0)
+        again = generate(page, app)
+        assert again["status"] == "succeeded" and "strength" not in again["params"], again
+        fill(page, "field-strength", "")
+    finally:
+        page.close()
 
 
 def test_http_seed_minus_one_with_n_gives_a_random_base_then_plus_one(app):  # noqa: F811

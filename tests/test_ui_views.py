@@ -90,21 +90,73 @@ def test_settings_come_back_from_metadata():
 
 
 def test_xy_plan_and_grid():
-    from ui.compare import plan
+    from ui.compare import axes
     from ui.grid import compose, parse_numbers
+    from ui.xyz import corner_of, plan
 
     assert parse_numbers("0, 0.5,1 ;1.5") == [0.0, 0.5, 1.0, 1.5]
     with pytest.raises(InvalidParameter, match="adapter weights"):
         parse_numbers("0, a lot", name="X: adapter weights")
-    rows = plan("seeds", [0.0, 1.0], ["style"], [1, 2, 3], seed=42)
-    assert [label for label, _ in rows] == ["seed 1", "seed 2", "seed 3"]
-    assert rows[2][1][1] == ("style 1", [{"name": "style", "scale": 1.0}], 3)
+    # Compare is a preset of the X/Y/Z plot: its inputs become axes, planned by the X/Y/Z planner
+    grid_axes, stack = axes("seeds", [0.0, 1.0], ["style"], [1, 2, 3])
+    cells = plan(grid_axes, {"prompt": "p", "seed": 42}, stack, frozenset())
+    assert [c["labels"][:2] for c in cells[:2]] == [["style 0", "seed 1"], ["style 1", "seed 1"]]
+    assert (cells[5]["params"]["seed"], cells[5]["adapters"]) == (3, [{"name": "style", "scale": 1.0}])
+    assert corner_of(grid_axes) == "seed \\ adapter weight"
+    grid_axes, stack = axes("adapters", [0.0, 0.5], ["a", "b"], [])
+    cells = plan(grid_axes, {"prompt": "p", "seed": 7}, stack, frozenset())
+    assert [(c["labels"][:2], c["adapters"]) for c in cells] == [
+        (["0", "a"], [{"name": "a", "scale": 0.0}]), (["0.5", "a"], [{"name": "a", "scale": 0.5}]),
+        (["0", "b"], [{"name": "b", "scale": 0.0}]), (["0.5", "b"], [{"name": "b", "scale": 0.5}])]
+    assert {c["params"]["seed"] for c in cells} == {7}
+    with pytest.raises(InvalidParameter, match="at least one adapter"):
+        axes("adapters", [1.0], [], [])
     red, blue = Image.new("RGB", (32, 32), "red"), Image.new("RGB", (32, 32), "blue")
     grid = compose([[red, blue], [None, red]], ["0", "1"], ["a", "b"], "weight", "adapter")
     # cells are scaled up to at least 160 px, laid out in a 2 x 2 grid with labels around them
     assert grid.width > 2 * 160 and grid.height > 2 * 160
     colours = {c for _, c in grid.getcolors(maxcolors=1 << 20)}
     assert (255, 0, 0) in colours and (0, 0, 255) in colours and (200, 200, 200) in colours
+
+
+def test_a_plots_line_has_its_eta_from_the_pace_so_far():
+    from ui.views import plot_progress
+
+    def job(status, step=0, total=4, started=None):
+        return {"status": status, "progress": {"step": step, "total": total if status != "queued" else 0},
+                "params": {"num_inference_steps": 4}, "started_at": started}
+
+    # 2 cells of 4 steps done and one at step 2, in 20 s: 2 s a step; 2 + 4 + 4 steps left: about 20 s
+    jobs = [job("succeeded", 4, started=100.0), job("succeeded", 4, started=108.0), job("running", 2, started=116.0),
+            job("queued"), job("queued")]
+    line = plot_progress(jobs, now=120.0)
+    assert 'data-done="2" data-total="5" data-eta="20.0"' in line, line
+    assert "2/5 cells finished · cell 3 at step 2/4 · about 20.0 s left" in line
+    # a cancelled or failed cell needs no more time; before any step there is no pace to go by
+    assert 'data-eta="0.0"' in plot_progress([job("succeeded", 4, started=0.0), job("running", 4, started=1.0),
+                                              job("cancelled")], now=10.0)
+    first = plot_progress([job("queued"), job("queued")], now=5.0)
+    assert 'data-eta=""' in first and "estimating the time left" in first
+    assert "left" not in plot_progress([job("succeeded", 4, started=0.0)], now=9.0)
+
+
+def test_plot_labels_are_readable():
+    """#26: the labels were Pillow's 10 px default font, whose 2 px space ran "LoRA scale" together."""
+    import numpy as np
+
+    from ui.grid import compose_xyz
+
+    cell = Image.new("RGB", (64, 64), "red")
+    grid, layout = compose_xyz([[[cell, cell]]], ["LoRA scale: 0", "LoRA scale: 1"], ["seed: 3"], [""], "Seed")
+    assert layout["font_size"] >= 16
+    header = np.asarray(grid.crop((layout["left"], 0, grid.width, layout["top"])).convert("L")) < 128
+    rows = np.flatnonzero(header.any(axis=1))
+    assert rows.max() - rows.min() + 1 >= 12, rows  # the column label's ink is at least 12 px tall
+    # the words keep a visible gap: a blank column run of >= 3 px inside the first label
+    cols = header.any(axis=0)[: layout["cell_box_size"][0]]
+    ink = np.flatnonzero(cols)
+    gaps = np.diff(ink)
+    assert gaps.max() >= 4, gaps
 
 
 def test_share_needs_auth():
@@ -295,8 +347,10 @@ def test_a_misfit_is_one_plain_line_and_the_fold_lists_them():
     wan = {**base, "name": "wan-style", "family": "Wan2.2", "family_source": "name",
            "fit": "refused: 96 unmatched key(s): blocks.0.attn1.to_q [no such layer]"}
     shapes = {**base, "name": "big-qwen", "family": "Qwen-Image", "family_source": "metadata",
-              "fit": "refused: 12 shape mismatch(es): transformer_blocks.0.attn.to_q: adapter (4, 3072) vs model (4, 64)"}
-    unknown = {**base, "name": "odd", "family": None, "fit": "refused: 7 unmatched key(s): x [no such layer]"}
+              "fit": "refused: 12 shape mismatch(es): transformer_blocks.0.attn.to_q: adapter (4, 3072) vs model (4, 64)",
+              "fit_reason": "12 of its layers have other sizes in demo:qwen-image (made for another model)"}
+    unknown = {**base, "name": "odd", "family": None, "fit": "refused: 7 unmatched key(s): x [no such layer]",
+               "fit_reason": "7 of its layers are not in demo:qwen-image (made for another model)"}
     broken = {**base, "name": "bad", "usable": False, "error": "/srv/lib/bad.safetensors: not a safetensors file"}
     assert misfit_reason(wan) == "made for Wan2.2, not demo:qwen-image (by its name)"
     assert misfit_reason(shapes) == "12 of its layers have other sizes in demo:qwen-image (made for another model)"

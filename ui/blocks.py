@@ -146,7 +146,7 @@ def build_ui(studio, *, auth=None, who=None) -> gr.Blocks:
             with gr.Tab("Compare", id="compare", elem_id="tab-compare") as t_compare:
                 compare.build(studio, gen)
             with gr.Tab("X/Y/Z plot", id="xyz", elem_id="tab-xyz") as t_xyz:
-                xyz.build(studio, gen)
+                xyz.build(studio, gen, t_xyz)
             with gr.Tab("Adapters", id="adapters", elem_id="tab-adapters") as t_adapters:
                 list_adapters, adapter_outs = adapters.build(studio)
             with gr.Tab("Presets", id="presets", elem_id="tab-presets") as t_presets:

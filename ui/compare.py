@@ -1,9 +1,10 @@
-"""The Compare tab: an X/Y grid (A1111's X/Y plot) queued as one batch.
+"""The Compare tab: A1111's X/Y plot of adapter weights, a preset of the X/Y/Z plot.
 
-X is always the adapter weight; Y is either several adapters (at the same seed) or
-several seeds (with one adapter). Every cell is a job submitted before any is
-awaited, so the whole grid sits in the queue at once; the prompt and sampling
-fields come from the Generate tab.
+X is the adapter weight; Y is either several adapters (at the same seed) or several seeds
+(with the first adapter). The tab only turns its few inputs into X/Y/Z axes (``axes``): the
+cells are planned, queued as one batch, followed (ETA, Cancel), assembled and saved by
+``ui.xyz`` exactly as an X/Y/Z plot is. The prompt, model and sampling fields come from the
+Generate tab; its LoRA stack does not take part (the adapters chosen here are the plot).
 """
 from __future__ import annotations
 
@@ -13,33 +14,35 @@ from backend.errors import InvalidParameter
 from backend.service import check_plot_cells
 
 from . import views
-from .fields import WIDGETS, clean_value
-from .follow import follow
 from .generate import GenerateTab
+from .grid import cell_size, parse_numbers
 from .server_state import models_by_id
-from .grid import cell_size, compose, corner, first_frame, geometry, parse_numbers
-from .views import error_html, readable
-
+from .xyz import ADAPTER, NOTHING, SEED, STACK_SCALE, Axis, form_params, plan, plot_view, wire
 
 Y_TITLES = {"adapters": "adapter", "seeds": "seed"}  # the Y axis by its choice; X is "adapter weight"
 
 
-def plan(y_axis: str, scales: list[float], adapters: list[str], seeds: list[int], seed: int):
-    """[(y_label, [(x_label, adapters payload, seed)])] for the grid."""
-    rows = []
+def axes(y_axis: str, scales: list[float], adapters: list[str], seeds: list[int]) -> tuple[tuple, list[dict]]:
+    """The X/Y/Z axes and the starting stack for a Compare grid: X scales the whole (one-adapter) stack;
+    Y adds each adapter at weight 1 (then scaled by X), or sets the seed with the first adapter."""
+    if not adapters:
+        raise InvalidParameter("choose at least one adapter", param="adapters")
     if y_axis == "adapters":
-        for name in adapters:
-            rows.append((name, [(f"{s:g}", [{"name": name, "scale": s}], seed) for s in scales]))
+        x = Axis(STACK_SCALE, tuple(scales), tuple(f"{s:g}" for s in scales), "adapter weight")
+        y = Axis(ADAPTER, tuple((name, 1.0) for name in adapters), tuple(adapters), Y_TITLES[y_axis])
+        stack = []
     else:
         name = adapters[0]
-        for sd in seeds:
-            rows.append((f"seed {sd}", [(f"{name} {s:g}", [{"name": name, "scale": s}], sd) for s in scales]))
-    return rows
+        x = Axis(STACK_SCALE, tuple(scales), tuple(f"{name} {s:g}" for s in scales), "adapter weight")
+        y = Axis(SEED, tuple(seeds), tuple(f"seed {sd}" for sd in seeds), Y_TITLES[y_axis])
+        stack = [{"name": name, "scale": 1.0}]
+    return (x, y, Axis(NOTHING, (None,), ("",))), stack
 
 
 def build(studio, gen: GenerateTab) -> None:
     gr.Markdown("Queue a grid of generations as one batch: the prompt, model and sampling fields come from "
-                "the **Generate** tab; X is the adapter weight, Y is adapters or seeds.")
+                "the **Generate** tab; X is the adapter weight, Y is adapters or seeds. (A preset of the "
+                "**X/Y/Z plot**, which has more axes.)")
     with gr.Row():
         scales = gr.Textbox(label="X: adapter weights", value="0, 0.5, 1, 1.5", elem_id="cmp-scales")
         y_axis = gr.Radio(["adapters", "seeds"], value="adapters", label="Y axis", elem_id="cmp-y")
@@ -47,9 +50,7 @@ def build(studio, gen: GenerateTab) -> None:
         adapters = gr.Dropdown(label="Adapters (Y = adapters; the first one for Y = seeds)", multiselect=True,
                                choices=[], elem_id="cmp-adapters")
         seeds = gr.Textbox(label="Y: seeds", value="1, 2, 3", elem_id="cmp-seeds")
-    go = gr.Button("Queue grid", variant="primary", elem_id="cmp-go")
-    status = gr.HTML(elem_id="cmp-status")
-    out = gr.Image(label="Grid", type="pil", interactive=False, elem_id="cmp-grid", format="png")
+    view = plot_view("cmp", "Queue grid", "Grid")
 
     def refresh_choices():
         try:
@@ -60,54 +61,16 @@ def build(studio, gen: GenerateTab) -> None:
 
     adapters.focus(refresh_choices, None, adapters, api_visibility="private")
 
-    def run(request: gr.Request, scale_text, axis, names, seed_text, model_id, prompt, seed, *values,
-            progress=gr.Progress()):
-        m, mine = models_by_id(studio).get(model_id), studio.of(request)
-        try:
-            if m is None:
-                raise InvalidParameter(f"pick a model on the Generate tab first (got {model_id!r})")
-            xs = parse_numbers(scale_text, name="X: adapter weights")
-            ys = parse_numbers(seed_text, kind=int, name="Y: seeds") if axis == "seeds" else []
-            if not names:
-                raise InvalidParameter("choose at least one adapter", param="adapters")
-            base = {"prompt": prompt}
-            for w, v in zip(WIDGETS, values):
-                if w.name in m.fields and clean_value(w, v) is not None:
-                    base[w.name] = clean_value(w, v)
-            check_plot_cells(len(xs) * (len(names) if axis == "adapters" else len(ys)))  # before any planning
-            layout = plan(axis, xs, list(names), ys, int(seed if seed is not None else 0))
-            geometry(*cell_size(base, m.defaults), [x for x, _, _ in layout[0][1]], [y for y, _ in layout], [""],
-                     corner("adapter weight", Y_TITLES[axis]))  # the picture fits the plot budget
-            # all queued before any is awaited, all or none (a refused cell or a full queue queues nothing)
-            places = [(r, c) for r, (_, row) in enumerate(layout) for c in range(len(row))]
-            jobs = mine.submit_many([{"kind": "generate", "params": {**base, "seed": sd}, "adapters": payload,
-                                        "model": model_id} for _, row in layout for _, payload, sd in row])
-            cells = [(r, c, job) for (r, c), job in zip(places, jobs)]
-        except Exception as exc:
-            yield error_html(readable(exc)), None
-            return
-        ids = [job["id"] for _, _, job in cells]
-        for jobs in follow(mine, ids):
-            done = sum(j.get("status") in views.FINISHED for j in jobs)
-            progress((done, len(jobs)), desc="grid cells", unit="images")
-            yield (f'<div class="ls-job" data-done="{done}" data-total="{len(jobs)}">'
-                   f'{done}/{len(jobs)} cells finished · queued as one batch (jobs {ids[0]}…{ids[-1]})</div>'), None
-        images = [[None] * len(layout[0][1]) for _ in layout]
-        failed, cancelled = [], []
-        for (r, c, _), job in zip(cells, jobs):
-            if job.get("status") == "succeeded":
-                images[r][c] = first_frame(job["result"]["path"])
-            elif job.get("status") == "cancelled":
-                images[r][c] = "cancelled"
-                cancelled.append(str(job["id"]))
-            else:
-                images[r][c] = "failed"
-                failed.append(f"job {job['id']}: {job.get('error') or job.get('status')}")
-        grid = compose(images, [x for x, _, _ in layout[0][1]], [y for y, _ in layout], "adapter weight",
-                       Y_TITLES[axis])
-        done_note = f"{len(ids)} cells" + (f" ({len(cancelled)} cancelled: jobs {', '.join(cancelled)})"
-                                           if cancelled else "")
-        yield (error_html("; ".join(failed)) if failed else views.ok_html(done_note)), grid
+    def planner(scale_text, axis, names, seed_text, model_id, prompt, seed, *values):
+        m = models_by_id(studio).get(model_id)
+        if m is None:
+            raise InvalidParameter(f"pick a model on the Generate tab first (got {model_id!r})", param="model")
+        xs = parse_numbers(scale_text, name="X: adapter weights")
+        ys = parse_numbers(seed_text, kind=int, name="Y: seeds") if axis == "seeds" else []
+        check_plot_cells(len(xs) * (len(names or []) if axis == "adapters" else len(ys)))  # before any planning
+        grid_axes, stack = axes(axis, xs, list(names or []), ys)
+        params = form_params(m, prompt, seed, values)
+        return model_id, prompt, grid_axes, plan(grid_axes, params, stack, m.fields), cell_size(params, m.defaults)
 
-    go.click(run, [scales, y_axis, adapters, seeds, gen.model, gen.prompt, gen.seed, *gen.field_outputs()],
-             [status, out], api_visibility="private", concurrency_limit=None)
+    wire(studio, view, planner, [scales, y_axis, adapters, seeds, gen.model, gen.prompt, gen.seed,
+                                 *gen.field_outputs()])

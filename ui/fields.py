@@ -33,7 +33,12 @@ WIDGETS: tuple[FieldWidget, ...] = (
     FieldWidget("task_type", "Task (task_type)", "choice", "prompt",
                 "MiniMax-H3: t2va text to video+audio, fl2va first/last frame, ref2va reference image",
                 choices=("t2va", "fl2va", "ref2va")),
-    FieldWidget("image", "Input image (image)", "image", "inputs", "the first frame / conditioning image"),
+    FieldWidget("image", "Input image (image)", "image", "inputs", "the first frame / conditioning image", infos=(
+        ("QwenImagePipeline", "img2img: the picture to start from (empty: text-to-image)"),
+        ("StableDiffusion3Pipeline", "img2img: the picture to start from (empty: text-to-image)"))),
+    FieldWidget("strength", "Denoising strength (strength)", "float", "inputs",
+                "img2img: how far from the input image (1: all the way; runs steps x strength steps; "
+                "empty: 0.75)", step=0.05),
     FieldWidget("last_image", "Last frame (last_image)", "image", "inputs", "fl2va: the frame to end on"),
     FieldWidget("height", "Height (height)", "int", "size", "a multiple of 16", step=16),
     FieldWidget("width", "Width (width)", "int", "size", "a multiple of 16", step=16),
@@ -67,3 +72,18 @@ def clean_value(widget: FieldWidget, value):
     if widget.kind == "float":
         return float(value)
     return value
+
+
+def form_values(fields, values) -> dict:
+    """The Generate tab's field values (``values`` in WIDGETS order) that the model takes (``fields``), as a
+    request's params: blanks left to the model's defaults, and an img2img strength only with an input image
+    to start from (so clearing the image goes back to text-to-image rather than refusing the job)."""
+    params = {}
+    for w, v in zip(WIDGETS, values):
+        if w.name in fields:
+            value = clean_value(w, v)
+            if value is not None:
+                params[w.name] = value
+    if "image" not in params:
+        params.pop("strength", None)
+    return params

@@ -2,6 +2,7 @@
 labels inside the plot budget of backend/limits.py (PIL only)."""
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
@@ -10,6 +11,13 @@ MIN_CELL = 160  # tiny demo outputs are scaled up (nearest) so the grid stays re
 MIN_SIDE = 8  # the smallest a cell is scaled down to, to keep a plot inside its pixel budget
 MAX_LABEL = 60  # characters of an axis label drawn (a long Prompt S/R value is cut, with "…")
 PAD = 6
+FONT_SIZE = 20  # px: Pillow's default font is 10 px, whose 2 px space ran "LoRA scale" together (#26)
+
+
+@lru_cache(maxsize=1)
+def label_font() -> ImageFont.ImageFont:
+    """The labels' font: Pillow's bundled one at FONT_SIZE (no font file needed on the server)."""
+    return ImageFont.load_default(size=FONT_SIZE)
 
 
 def parse_numbers(text: str, *, kind=float, name: str = "values") -> list:
@@ -67,8 +75,8 @@ def geometry(w: int, h: int, x_labels: list, y_labels: list, z_labels: list, cor
     before any of its jobs is queued. Labels are cut to MAX_LABEL characters."""
     from backend.service import MAX_PLOT_PIXELS, MAX_PLOT_SIDE, check_plot_size
 
-    font = ImageFont.load_default()
-    line = int(font.size + PAD)
+    font = label_font()
+    line = int(FONT_SIZE + PAD)
     corner = _label(corner)
     x_labels, y_labels, z_labels = ([_label(t) for t in labels] for labels in (x_labels, y_labels, z_labels))
     w, h = max(1, int(w)), max(1, int(h))
@@ -96,7 +104,8 @@ def geometry(w: int, h: int, x_labels: list, y_labels: list, z_labels: list, cor
         x_wrapped = [wrap(t, cw) for t in x_labels]
         top = z_head + line + max([len(x) for x in x_wrapped] + [1]) * line + PAD  # corner title, column labels
         block_h = top + len(y_labels) * (ch + PAD) + PAD
-        return {"cell_size": [w, h], "zoom": zoom, "cell_box_size": [cw, ch], "pad": PAD, "left": left, "top": top,
+        return {"cell_size": [w, h], "font_size": FONT_SIZE, "zoom": zoom, "cell_box_size": [cw, ch], "pad": PAD,
+                "left": left, "top": top,
                 "z_head": z_head, "line": line, "block_height": block_h, "x_wrapped": x_wrapped,
                 "labels": [x_labels, y_labels, z_labels, corner],
                 "size": [left + len(x_labels) * (cw + PAD) + PAD, block_h * blocks]}
@@ -119,7 +128,7 @@ def compose_xyz(blocks: list[list[list[Image.Image | str | None]]], x_labels: li
     bottom, each headed by its Z label (when there is a Z axis), column labels above, row labels on
     the left; laid out by ``geometry`` from the first picture's size. Returns the image and its layout
     (cell size, zoom, margins and each cell's box), which the plot's sidecar records."""
-    font = ImageFont.load_default()
+    font = label_font()
     sample = next((c for z in blocks for row in z for c in row if isinstance(c, Image.Image)), None)
     w, h = sample.size if sample else (MIN_CELL, MIN_CELL)
     g = geometry(w, h, x_labels, y_labels, z_labels, corner)
@@ -140,7 +149,7 @@ def compose_xyz(blocks: list[list[list[Image.Image | str | None]]], x_labels: li
                 draw.text((left + j * (cw + PAD), y0 + z_head + line + n * line), text, fill="black", font=font)
         for i, label in enumerate(y_labels):
             y = y0 + top + i * (ch + PAD)
-            draw.text((PAD, y + ch // 2 - font.size // 2), label, fill="black", font=font)
+            draw.text((PAD, y + ch // 2 - FONT_SIZE // 2), label, fill="black", font=font)
             for j in range(len(x_labels)):
                 x = left + j * (cw + PAD)
                 cell = cells[i][j] if i < len(cells) and j < len(cells[i]) else None
@@ -150,5 +159,6 @@ def compose_xyz(blocks: list[list[list[Image.Image | str | None]]], x_labels: li
                     draw.rectangle([x, y, x + cw - 1, y + ch - 1], fill=(200, 200, 200))
                     draw.text((x + PAD, y + PAD), cell or "failed", fill="black", font=font)
                 boxes.append({"z": k, "y": i, "x": j, "box": [x, y, x + cw, y + ch]})
-    layout = {k: g[k] for k in ("cell_size", "zoom", "cell_box_size", "pad", "left", "top", "block_height", "size")}
+    layout = {k: g[k] for k in ("cell_size", "font_size", "zoom", "cell_box_size", "pad", "left", "top",
+                                "block_height", "size")}
     return grid, {**layout, "boxes": boxes}

@@ -11,7 +11,7 @@ import random
 import gradio as gr
 
 from . import views
-from .fields import WIDGETS, clean_value
+from .fields import WIDGETS, form_values
 from .result_view import result_updates
 from .server_state import (adapter_pick_updates, badge_html, field_updates, locked_reasons, model_choices,
                            models_by_id, preset_choices, preset_contract, two_stage_of, NO_PRESET)
@@ -77,12 +77,7 @@ def wire(studio, t, go, stop, cancel_one) -> None:
             return [error_html(str(exc)), gr.update(), gr.update()]
         seed = -1 if seed is None else int(seed)
         base_seed = random.randrange(2**31) if seed == -1 else seed  # -1: random, then +1 per job
-        params = {"prompt": prompt}
-        for w, v in zip(WIDGETS, values):
-            if w.name in m.fields:
-                value = clean_value(w, v)
-                if value is not None:
-                    params[w.name] = value
+        params = {"prompt": prompt, **form_values(m.fields, values)}
         try:
             payload = adapter_payload(stack, m.two_stage)
         except Exception as exc:  # a bad "weight over steps": refused by name, nothing queued
@@ -96,7 +91,7 @@ def wire(studio, t, go, stop, cancel_one) -> None:
         first = queued[0]
         where = (f"position {first['queue_position']} in the queue" if first.get("queue_position")
                  else "starting")
-        ids = ", ".join(str(j["id"]) for j in queued)
+        ids = ", ".join(views.job_label(j) for j in queued)
         note = views.queued_html(f"queued job{'s' if n > 1 else ''} {ids} (seed {base_seed}"
                                  f"{f'…{base_seed + n - 1}' if n > 1 else ''}) · {where}",
                                  [str(j["id"]) for j in queued])

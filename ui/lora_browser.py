@@ -137,6 +137,6 @@ def build(studio, gen) -> None:
             job = studio.of(request).make_preview(name)
         except Exception as exc:
             return error_html(readable(exc))
-        return ok_html(f"making a preview of {name} (job {job['id']}); it shows on its card when done")
+        return ok_html(f"making a preview of {name} (job {views.job_label(job)}); it shows on its card when done")
 
     make.change(preview, [make], [gen.status], api_visibility="private", queue=False)

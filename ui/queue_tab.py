@@ -17,7 +17,7 @@ def build(studio):
                          label="Jobs (newest first; refreshes itself)")
     shown = gr.State(None)  # the rows the table holds now
     with gr.Row():
-        job_id = gr.Textbox(label="Job id", elem_id="queue-job", scale=2)
+        job_id = gr.Textbox(label="Job (its number, #12, or its id)", elem_id="queue-job", scale=2)
         cancel = gr.Button("Cancel", variant="stop", elem_id="queue-cancel", scale=1)
         retry = gr.Button("Retry", elem_id="queue-retry", scale=1)
     status = gr.HTML(elem_id="queue-status")
@@ -63,7 +63,7 @@ def build(studio):
                               old.get("preset"), old.get("model"))
         except Exception as exc:
             return error_html(readable(exc)), rows(request)
-        return ok_html(f"job {jid} queued again as job {new['id']}"), rows(request)
+        return ok_html(f"job {jid} queued again as job {views.job_label(new)}"), rows(request)
 
     cancel.click(do_cancel, job_id, [status, table], api_visibility="private")
     retry.click(do_retry, job_id, [status, table], api_visibility="private")

@@ -7,7 +7,7 @@ from pathlib import Path
 import gradio as gr
 
 from .server_state import models_by_id
-from .views import ModelInfo, error_html, ok_html, readable
+from .views import ModelInfo, error_html, job_label, ok_html, readable
 
 
 def result_updates(job: dict, m: ModelInfo) -> list:
@@ -46,7 +46,7 @@ def wire_send(studio, t, reuse, to_i2v) -> None:
     def reuse_seed(request: gr.Request, watch):
         job = studio.of(request).job(shown(watch))
         seed = ((job.get("result") or {}).get("metadata") or {}).get("seed", (job.get("params") or {}).get("seed"))
-        return seed, ok_html(f"seed {seed} (from job {job['id']})")
+        return seed, ok_html(f"seed {seed} (from job {job_label(job)})")
 
     reuse.click(reuse_seed, t.watch, [t.seed, t.status], api_visibility="private", queue=False)
 

@@ -39,6 +39,8 @@ def field_updates(m: ModelInfo | None, values: dict | None = None, *, reset: boo
         shown = {"visible": True}
         if w.kind in ("int", "float", "text", "choice"):  # the hint as this model's pipeline reads the field
             shown["info"] = w.info_for(m.pipeline) or None
+        elif w.kind == "image":  # an image box has no hint line: its label says what the model does with it
+            shown["label"] = f"{w.label} · {w.info_for(m.pipeline)}" if w.info_for(m.pipeline) else w.label
         if locked is not None and w.kind != "image":
             shown["interactive"] = w.name not in locked
             if w.name in locked:

@@ -124,6 +124,12 @@ def aspect_size(aspect: str, width: int, height: int, multiple: int = 16) -> tup
 
 
 # -- jobs -------------------------------------------------------------------------------------
+def job_label(job: dict) -> str:
+    """A job as people read it: its number ("#12", the queue's order, which the Queue tab's box also
+    takes), else its id."""
+    return f"#{job['number']}" if isinstance(job.get("number"), int) else str(job.get("id", ""))
+
+
 def job_fraction(job: dict) -> float:
     prog = job.get("progress") or {}
     step, total = prog.get("step") or 0, prog.get("total") or 0
@@ -172,6 +178,45 @@ def timing(job: dict, now: float | None = None, seconds_per_step: float | None =
     return text
 
 
+def plot_progress(jobs: list[dict], now: float | None = None) -> str:
+    """A plot's one line (X/Y/Z and Compare): cells finished of all, the running cell's step and the whole
+    plot's ETA. The pace is the wall time since the first cell started over the steps done so far (so a
+    cell's load and decode are in it); a queued cell's steps are its request's, else the mean of the known."""
+    import time
+
+    now = now or time.time()
+    done = sum(j.get("status") in FINISHED for j in jobs)
+    totals = [(j.get("progress") or {}).get("total") or (j.get("params") or {}).get("num_inference_steps")
+              for j in jobs]
+    known = [t for t in totals if isinstance(t, int) and t > 0]
+    mean = sum(known) / len(known) if known else None
+    ran = remaining = 0.0
+    for j, total in zip(jobs, totals):
+        total = total if isinstance(total, int) and total > 0 else mean
+        step = (j.get("progress") or {}).get("step") or 0
+        if j.get("status") == "succeeded":
+            ran += total or 0
+        elif j.get("status") == "running":
+            ran += step
+            remaining += max(0.0, (total or step) - step)
+        elif j.get("status") == "queued":
+            remaining += total or 0
+    starts = [j["started_at"] for j in jobs if isinstance(j.get("started_at"), (int, float))]
+    text = f"{done}/{len(jobs)} cells finished"
+    running = next((j for j in jobs if j.get("status") == "running"), None)
+    if running:
+        prog = running.get("progress") or {}
+        text += f" · cell {jobs.index(running) + 1} at step {prog.get('step') or 0}/{prog.get('total') or '?'}"
+    eta = None
+    if done < len(jobs) and starts and ran:
+        eta = (now - min(starts)) / ran * remaining
+        text += f" · about {seconds(eta)} left"
+    elif done < len(jobs):
+        text += " · estimating the time left"
+    return (f'<div class="ls-job ls-plot" data-done="{done}" data-total="{len(jobs)}" '
+            f'data-eta="{"" if eta is None else round(eta, 1)}">{html.escape(text)}</div>')
+
+
 def preview_img(preview: dict | None) -> str:
     """A running job's live preview ({"step", "png"}: Studio.job_preview) as an inline image."""
     if not preview or not preview.get("png"):
@@ -203,7 +248,7 @@ def progress_html(job: dict, now: float | None = None, seconds_per_step: float |
     return (f'<div class="ls-job {cls}" data-job="{html.escape(str(job.get("id", "")))}" data-status="{status}" '
             f'data-step="{prog.get("step") or 0}" data-total="{prog.get("total") or 0}" '
             f'data-position="{job.get("queue_position") or ""}">'
-            f'<div class="ls-job-line">Job {html.escape(str(job.get("id", "")))}{html.escape(seed_text)} · '
+            f'<div class="ls-job-line">Job {html.escape(job_label(job))}{html.escape(seed_text)} · '
             f'{html.escape(line)}{cancel}</div>'
             f'<div class="ls-bar"><div class="ls-bar-fill" style="width:{pct}%"></div></div>'
             f'{preview_img(preview) if status == "running" else ""}</div>')
@@ -241,8 +286,8 @@ def jobs_html(jobs: list[dict], now: float | None = None, seconds_per_step: floa
 
 # nine columns that fit a laptop's width: the kind joins the status when it is not a generation, the queue
 # position too ("queued · 2"), the preset the model ("demo:qwen-image + lightning-4step")
-JOB_COLUMNS = ["id", "status", "progress", "prompt", "model", "adapters", "created", "took", "error"]
-JOB_COLUMN_WIDTHS = ["11%", "10%", "6%", "22%", "14%", "11%", "7%", "5%", "14%"]  # of the page's width
+JOB_COLUMNS = ["job", "status", "progress", "prompt", "model", "adapters", "created", "took", "error"]
+JOB_COLUMN_WIDTHS = ["5%", "11%", "6%", "26%", "14%", "12%", "7%", "5%", "14%"]  # of the page's width
 
 
 def _clock(ts) -> str:
@@ -286,7 +331,7 @@ def job_rows(jobs: list[dict]) -> list[list]:
         if j.get("queue_position"):
             status += f" · {j['queue_position']}"
         model = str(j.get("model") or "") + (f" + {j['preset']}" if j.get("preset") else "")
-        rows.append([j.get("id"), status, f"{prog.get('step') or 0}/{prog.get('total') or '?'}",
+        rows.append([job_label(j), status, f"{prog.get('step') or 0}/{prog.get('total') or '?'}",
                      short(str((j.get("params") or {}).get("prompt") or ""), 60), model,
                      adapters_label(j.get("adapters")), _clock(j.get("created_at")), _took(j),
                      (j.get("error") or "")[:120]])
@@ -507,10 +552,6 @@ def card_html(c: dict) -> str:
             + f'{action}</div></div>')
 
 
-_UNMATCHED = re.compile(r"(\d+) unmatched key")
-_MISMATCHED = re.compile(r"(\d+) shape mismatch")
-
-
 def misfit_reason(c: dict) -> str:
     """Why a card does not fit the loaded model, in one plain line (the converter's own words, with its
     key names, stay in the card's tooltip and the Adapters tab)."""
@@ -518,16 +559,11 @@ def misfit_reason(c: dict) -> str:
     if not c.get("usable"):
         return "cannot be read as an adapter (the Adapters tab says why)"
     fam = c.get("family")
-    fit = str(c.get("fit") or "")
     if fam and fam != c.get("model_family"):
         return f"made for {fam}, not {model}" + (" (by its name)" if c.get("family_source") == "name" else "")
-    mismatched, unmatched = _MISMATCHED.search(fit), _UNMATCHED.search(fit)
-    if mismatched:
-        return f"{mismatched.group(1)} of its layers have other sizes in {model} (made for another model)"
-    if unmatched:
-        return f"{unmatched.group(1)} of its layers are not in {model} (made for another model)"
-    if "binds to no layer" in fit:
-        return f"binds to no layer of {model}"
+    reason = str(c.get("fit_reason") or "")  # the fit report's own plain line (backend/lora/fit.py)
+    if reason and not reason.startswith("could not be checked"):
+        return reason
     return f"could not be checked against {model} (the Adapters tab says why)"
 
 

@@ -20,7 +20,7 @@ from backend.errors import InvalidParameter
 from backend.service import check_plot_cells
 
 from . import views
-from .fields import WIDGETS, clean_value
+from .fields import form_values
 from .follow import follow
 from .generate import GenerateTab
 from .server_state import models_by_id
@@ -53,10 +53,21 @@ class Axis:
     kind: str
     values: tuple
     labels: tuple
+    title: str = ""  # the corner's name for it (Compare's "adapter weight"); the kind when empty
 
     @property
     def active(self) -> bool:
         return self.kind != NOTHING
+
+    @property
+    def heading(self) -> str:
+        return self.title or self.kind
+
+
+def corner_of(axes: tuple[Axis, Axis, Axis]) -> str:
+    """The plot's top-left label: its Y axis over its X axis ("Seed \\ LoRA scale (whole stack)")."""
+    x, y, _ = axes
+    return " \\ ".join(a.heading for a in (y, x) if a.active)
 
 
 def _split(text: str) -> list[str]:
@@ -178,7 +189,92 @@ def plan(axes: tuple[Axis, Axis, Axis], params: dict, adapters: list[dict], fiel
     return cells
 
 
-def build(studio, gen: GenerateTab) -> None:
+@dataclass
+class PlotView:
+    """A plot's controls and results, the same on X/Y/Z and Compare (``plot_view``)."""
+    go: gr.Button
+    cancel: gr.Button
+    status: gr.HTML
+    out: gr.Image
+    download: gr.File
+    ids: gr.State  # the plot's job ids, for Cancel
+
+    @property
+    def outputs(self) -> list:
+        return [self.status, self.out, self.download, self.ids]
+
+
+def plot_view(prefix: str, go_label: str, image_label: str) -> PlotView:
+    with gr.Row():
+        go = gr.Button(go_label, variant="primary", elem_id=f"{prefix}-go", scale=3)
+        cancel = gr.Button("Cancel plot", variant="stop", elem_id=f"{prefix}-cancel", scale=1)
+    status = gr.HTML(elem_id=f"{prefix}-status")
+    out = gr.Image(label=image_label, type="filepath", interactive=False, elem_id=f"{prefix}-grid", format="png")
+    download = gr.File(label="Download the plot (PNG) and its cells (JSON)", interactive=False,
+                       elem_id=f"{prefix}-file", file_count="multiple")
+    return PlotView(go, cancel, status, out, download, gr.State([]))
+
+
+def wire(studio, view: PlotView, planner, inputs: list) -> None:
+    """``view.go`` runs ``planner(*values)`` -> (model_id, prompt, axes, cells, cell size): every cell queued
+    before any is awaited, all or none (a cell refused, or too little room in the queue, queues nothing),
+    followed with the plot's ETA, then assembled into ONE PNG and saved (``Studio.save_plot``). Cancel
+    cancels the cells not finished; those finished stay in the plot, the rest say "cancelled"."""
+    def run(request: gr.Request, *values, progress=gr.Progress()):
+        mine = studio.of(request)
+        try:
+            model_id, prompt, axes, cells, size = planner(*values)
+            x, y, z = axes
+            geometry(*size, x.labels, y.labels, z.labels, corner_of(axes))  # the picture fits the plot budget
+            jobs = mine.submit_many([{"kind": "generate", "params": c["params"], "adapters": c["adapters"],
+                                        "model": model_id} for c in cells])
+        except Exception as exc:
+            yield error_html(readable(exc)), None, None, []
+            return
+        ids = [str(j["id"]) for j in jobs]
+        for jobs in follow(mine, ids):
+            done = sum(j.get("status") in views.FINISHED for j in jobs)
+            progress((done, len(jobs)), desc="plot cells", unit="images")
+            yield views.plot_progress(jobs), None, None, ids
+        blocks = [[[None] * len(x.values) for _ in y.values] for _ in z.values]
+        problems, cancelled = [], 0
+        for cell, job in zip(cells, jobs):
+            cell["job"] = str(job["id"])
+            cell["status"] = job.get("status")
+            if job.get("status") == "succeeded":
+                cell["path"] = job["result"]["path"]
+                cell["seed"] = (job["result"].get("metadata") or {}).get("seed", cell["params"].get("seed"))
+                blocks[cell["z"]][cell["y"]][cell["x"]] = first_frame(job["result"]["path"])
+            else:
+                blocks[cell["z"]][cell["y"]][cell["x"]] = job.get("status") or "failed"
+                if job.get("status") == "cancelled":
+                    cancelled += 1
+                else:
+                    problems.append(f"job {views.job_label(job)}: {job.get('error') or job.get('status')}")
+        grid, layout = compose_xyz(blocks, list(x.labels), list(y.labels), list(z.labels), corner_of(axes))
+        try:
+            saved = studio.save_plot(grid, {"model": model_id, "prompt": prompt,
+                                            "axes": [{"axis": n, "kind": a.kind, "labels": list(a.labels)}
+                                                     for n, a in zip("xyz", axes)],
+                                            "layout": layout, "cells": cells})
+        except Exception as exc:
+            yield error_html(readable(exc)), None, None, []
+            return
+        note = f"{len(cells)} cells" + (f" ({cancelled} cancelled)" if cancelled else "") + f" · saved {saved['path']}"
+        html = (error_html(f"{note}; " + "; ".join(problems)) if problems
+                else views.ok_html(note)).replace("<div ", f'<div data-path="{escape(saved["path"])}" ', 1)
+        yield html, saved["path"], [saved["path"], saved["sidecar"]], []
+
+    def cancel(request: gr.Request, ids):
+        mine = studio.of(request)
+        for job_id in reversed(ids or []):  # the queued cells first, so none starts as the running one stops
+            mine.cancel(job_id)  # a finished cell is left as it is
+
+    view.go.click(run, inputs, view.outputs, api_visibility="private", concurrency_limit=None)
+    view.cancel.click(cancel, [view.ids], None, api_visibility="private", queue=False)
+
+
+def build(studio, gen: GenerateTab, tab: gr.Tab) -> None:
     gr.Markdown("An **X/Y/Z plot**: every cell is a job on the **Generate** tab's model with its prompt, fields "
                 "and LoRA stack, changed along up to three axes. The result is one labelled PNG (one X/Y grid "
                 "per Z value), saved under the outputs folder with a JSON sidecar listing the cells.")
@@ -191,85 +287,36 @@ def build(studio, gen: GenerateTab) -> None:
             values = gr.Textbox(label=f"{axis.upper()} values", value=text, elem_id=f"xyz-{axis}-values", scale=3,
                                 info=HINTS.get(kind))
         rows.append((pick, values))
-    go = gr.Button("Queue plot", variant="primary", elem_id="xyz-go")
-    status = gr.HTML(elem_id="xyz-status")
-    out = gr.Image(label="Plot", type="filepath", interactive=False, elem_id="xyz-grid", format="png")
-    download = gr.File(label="Download the plot (PNG) and its cells (JSON)", interactive=False,
-                       elem_id="xyz-file", file_count="multiple")
+    view = plot_view("xyz", "Queue plot", "Plot")
 
-    # the weight axes follow the stack: one per adapter in it
+    # the weight axes follow the stack: one per adapter in it, offered as the tab opens (a State's change
+    # event does not fire for the Generate tab's stack edits, #26: the "Weight: NAME" axes never appeared)
     def follow_stack(stack, *kinds):
         choices = kinds_for(stack)
         return [gr.update(choices=choices, value=k if k in choices else NOTHING) for k in kinds]
 
     picks = [p for p, _ in rows]
-    gen.stack.change(follow_stack, [gen.stack, *picks], picks, api_visibility="private", queue=False)
+    tab.select(follow_stack, [gen.stack, *picks], picks, api_visibility="private", queue=False)
     for pick, values in rows:
         pick.change(lambda kind: gr.update(info=HINTS.get(kind, "weights, e.g. 0, 0.5, 1")), pick, values,
                     api_visibility="private", queue=False)
 
-    def run(request: gr.Request, xk, xv, yk, yv, zk, zv, model_id, prompt, seed, stack, *values,
-            progress=gr.Progress()):
-        m, mine = models_by_id(studio).get(model_id), studio.of(request)
-        try:
-            if m is None:
-                raise InvalidParameter(f"pick a model on the Generate tab first (got {model_id!r})", param="model")
-            axes = tuple(parse_axis(k, v, f"{n} values", prompt=prompt or "", stack=stack)
-                         for n, k, v in (("X", xk, xv), ("Y", yk, yv), ("Z", zk, zv)))
-            if not any(a.active for a in axes):
-                raise InvalidParameter("choose at least one axis", param="axes")
-            params = {"prompt": prompt or "", "seed": -1 if seed is None else int(seed)}
-            for w, v in zip(WIDGETS, values):
-                if w.name in m.fields and w.kind != "image" and clean_value(w, v) is not None:
-                    params[w.name] = clean_value(w, v)
-            cells = plan(axes, params, adapter_payload(stack or [], m.two_stage), m.fields)
-            x, y, z = axes
-            corner = " \\ ".join(k for k in (y.kind, x.kind) if k != NOTHING)
-            geometry(*cell_size(params, m.defaults), x.labels, y.labels, z.labels, corner)  # the picture fits
-            # every cell queued before any is awaited, all or none: a cell refused, or too little room in
-            # the queue, queues nothing
-            jobs = mine.submit_many([{"kind": "generate", "params": c["params"], "adapters": c["adapters"],
-                                        "model": model_id} for c in cells])
-        except Exception as exc:
-            yield error_html(readable(exc)), None, None
-            return
-        ids = [str(j["id"]) for j in jobs]
-        for jobs in follow(mine, ids):
-            done = sum(j.get("status") in views.FINISHED for j in jobs)
-            running = next((j for j in jobs if j.get("status") == "running"), None)
-            progress((done, len(jobs)), desc="plot cells", unit="images")
-            step = ""
-            if running:
-                prog = running.get("progress") or {}
-                step = f" · job {running['id']} step {prog.get('step') or 0}/{prog.get('total') or '?'}"
-            yield (f'<div class="ls-job" data-done="{done}" data-total="{len(jobs)}">{done}/{len(jobs)} cells '
-                   f'finished{step} (jobs {ids[0]}…{ids[-1]})</div>'), None, None
-        blocks = [[[None] * len(x.values) for _ in y.values] for _ in z.values]
-        problems = []
-        for cell, job in zip(cells, jobs):
-            cell["job"] = str(job["id"])
-            cell["status"] = job.get("status")
-            if job.get("status") == "succeeded":
-                cell["path"] = job["result"]["path"]
-                cell["seed"] = (job["result"].get("metadata") or {}).get("seed", cell["params"].get("seed"))
-                blocks[cell["z"]][cell["y"]][cell["x"]] = first_frame(job["result"]["path"])
-            else:
-                blocks[cell["z"]][cell["y"]][cell["x"]] = job.get("status") or "failed"
-                problems.append(f"job {job['id']}: {job.get('error') or job.get('status')}")
-        grid, layout = compose_xyz(blocks, list(x.labels), list(y.labels), list(z.labels), corner)
-        try:
-            saved = studio.save_plot(grid, {"model": model_id, "prompt": prompt,
-                                            "axes": [{"axis": n, "kind": a.kind, "labels": list(a.labels)}
-                                                     for n, a in zip("xyz", axes)],
-                                            "layout": layout, "cells": cells})
-        except Exception as exc:
-            yield error_html(readable(exc)), None, None
-            return
-        note = f"{len(cells)} cells · saved {saved['path']}"
-        html = (error_html(f"{note}; " + "; ".join(problems)) if problems
-                else views.ok_html(note)).replace("<div ", f'<div data-path="{escape(saved["path"])}" ', 1)
-        yield html, saved["path"], [saved["path"], saved["sidecar"]]
+    def planner(xk, xv, yk, yv, zk, zv, model_id, prompt, seed, stack, *values):
+        m = models_by_id(studio).get(model_id)
+        if m is None:
+            raise InvalidParameter(f"pick a model on the Generate tab first (got {model_id!r})", param="model")
+        axes = tuple(parse_axis(k, v, f"{n} values", prompt=prompt or "", stack=stack)
+                     for n, k, v in (("X", xk, xv), ("Y", yk, yv), ("Z", zk, zv)))
+        if not any(a.active for a in axes):
+            raise InvalidParameter("choose at least one axis", param="axes")
+        params = form_params(m, prompt, seed, values)
+        cells = plan(axes, params, adapter_payload(stack or [], m.two_stage), m.fields)
+        return model_id, prompt, axes, cells, cell_size(params, m.defaults)
 
-    go.click(run, [*(c for row in rows for c in row), gen.model, gen.prompt, gen.seed, gen.stack,
-                   *gen.field_outputs()],
-             [status, out, download], api_visibility="private", concurrency_limit=None)
+    wire(studio, view, planner, [*(c for row in rows for c in row), gen.model, gen.prompt, gen.seed, gen.stack,
+                                 *gen.field_outputs()])
+
+
+def form_params(m, prompt, seed, values) -> dict:
+    """The Generate tab's prompt, seed and the fields the model has, as a cell's params."""
+    return {"prompt": prompt or "", "seed": -1 if seed is None else int(seed), **form_values(m.fields, values)}

@@ -49,6 +49,9 @@ class PipelineSpec:
     # Wan: frames must be 4k+1 (the VAE compresses time by 4)
     frame_multiple: int | None = None
     mode: str = "text-to-image"
+    # img2img (A1111's): the diffusers class that starts from an input ``image`` at a ``strength`` with the
+    # same components (made with ``from_pipe``: no weight is copied); None: no img2img for this pipeline
+    img2img: str | None = None
 
     @property
     def is_video(self) -> bool:

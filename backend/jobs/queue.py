@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from ..errors import JobNotFound, QueueFull, ShuttingDown, StoreError, StudioError
 
+NUMBER = re.compile(r"#?([0-9]{1,12})")  # a job's number, as the UI shows it ("#12")
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
 # kinds that change the worker's state for every later job: never reordered around
@@ -244,6 +246,7 @@ class JobQueue:
         """Cancel a queued job now; flag a running one. Returns (job, is_running)."""
         with self._tx() as db:
             row = self._row(db, job_id)
+            job_id = row["id"]
             if row["status"] == "queued":
                 db.execute("UPDATE jobs SET status='cancelled', finished_at=?, error=? WHERE id=?",
                            (time.time(), "cancelled while queued", job_id))
@@ -392,7 +395,13 @@ class JobQueue:
 
     @staticmethod
     def _row(db, job_id: str):
-        row = db.execute("SELECT * FROM jobs WHERE id=?", (str(job_id),)).fetchone()
+        """A job's row by its id, or by its number (``12`` or ``#12``: the row's ``seq``, what the UI shows;
+        an id is 16 hex digits, so the two never meet)."""
+        number = NUMBER.fullmatch(str(job_id))
+        if number:
+            row = db.execute("SELECT * FROM jobs WHERE seq=?", (int(number.group(1)),)).fetchone()
+        else:
+            row = db.execute("SELECT * FROM jobs WHERE id=?", (str(job_id),)).fetchone()
         if row is None:
             raise not_found(job_id)
         return row
@@ -421,7 +430,7 @@ class JobQueue:
             position = self._db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued' AND seq <= ?",
                                         (row["seq"],)).fetchone()[0]
         return {
-            "id": row["id"], "kind": row["kind"], "status": status,
+            "id": row["id"], "number": row["seq"], "kind": row["kind"], "status": status,
             "progress": {"step": row["step"], "total": row["total"]}, "queue_position": position,
             "model": row["model"], "params": decoded["params"] if isinstance(decoded["params"], dict) else {},
             "adapters": decoded["adapters"] if isinstance(decoded["adapters"], list) else [],

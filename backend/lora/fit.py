@@ -93,6 +93,16 @@ class FitReport:
             problems.append("binds to no layer")
         return "refused: " + "; ".join(problems)
 
+    def reason(self, model: str) -> str:
+        """Why it does not fit ``model``, in one plain line ("" when it fits); ``summary`` keeps the key names."""
+        if self.ok:
+            return ""
+        if self.mismatched:
+            return f"{len(self.mismatched)} of its layers have other sizes in {model} (made for another model)"
+        if self.unmatched:
+            return f"{len(self.unmatched)} of its layers are not in {model} (made for another model)"
+        return f"binds to no layer of {model}"
+
     def as_dict(self) -> dict:
         return {"adapter": self.adapter, "file": self.file, "ok": self.ok, "summary": self.summary(),
                 "total_keys": self.total_keys, "matched_keys": self.matched_keys,

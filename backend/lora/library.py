@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import settings
-from ..errors import StudioError
+from ..errors import AdapterError, StudioError
 from .formats import PEFT_CONFIG, PICKLE_SUFFIXES, AdapterRecord, inspect
 from . import sidecar
 
@@ -258,7 +258,7 @@ def library_rows(model: str | None = None, adapter_dirs=None, data_dir=None) -> 
         from . import demo_adapters
 
         demo_root = demo_adapters.ensure(data_dir).resolve()
-    skeleton = (*denoiser_skeletons(model, data_dir), encoder_skeletons(model, data_dir)) if model else None
+    skeleton = skeletons(model, data_dir) if model else None
     rows = []
     for entry in scan(adapter_dirs, data_dir, model):
         rec = entry.record
@@ -271,38 +271,64 @@ def library_rows(model: str | None = None, adapter_dirs=None, data_dir=None) -> 
                "demo": demo_root is not None and Path(entry.path).is_relative_to(demo_root),
                **sidecar.read(entry.path)}  # A1111's <name>.json: preferred weight, activation and negative text
         if entry.error:
-            row.update(fit=f"refused: {entry.error}", fits=False)
+            row.update(fit=f"refused: {entry.error}", fits=False, fit_reason="cannot be read as an adapter")
         elif skeleton is not None:
             row.update(_fit_row(model, entry, skeleton))
         rows.append(row)
     return rows
 
 
-_fits: dict[tuple, dict] = {}  # (model, name, stamp) -> {"fit", "fits"}: a file is fitted once per model
+# (model, name, stamp) -> {"fit", "fits", "fit_reason", "fitted"}: a file is fitted once per model
+_fits: dict[tuple, dict] = {}
+
+
+def skeletons(model: str, data_dir=None) -> tuple:
+    """(pipeline class, {denoiser: meta module}, {text encoder: meta module}): what adapters are fitted to."""
+    return (*denoiser_skeletons(model, data_dir), encoder_skeletons(model, data_dir))
 
 
 def _fit_row(model: str, entry: LibraryEntry, skeleton) -> dict:
+    """The fit of one file against ``model``, cached by (model, name, stamp). ``skeleton``: ``skeletons``'
+    answer, or a callable giving it (built only when the cache misses). ``fitted`` says a fit report
+    decided (not an error reading or converting the file); ``fit_reason`` is the plain line of a misfit."""
     from .adapter import fit_adapter
 
     try:
         key = (model, entry.name, *_stamp(entry.path))
     except OSError:
-        return {"fit": f"refused: {entry.path}: cannot be read", "fits": False}
+        return {"fit": f"refused: {entry.path}: cannot be read", "fits": False, "fitted": False,
+                "fit_reason": "cannot be read"}
     with _rows_lock:
         cached = _fits.get(key)
     if cached is None:
         try:
-            report = fit_adapter(entry.path, skeleton[0], skeleton[1], name=entry.name, encoders=skeleton[2])
-            cached = {"fit": report.summary(), "fits": report.ok}
+            pipeline, denoisers, encoders = skeleton() if callable(skeleton) else skeleton
+            report = fit_adapter(entry.path, pipeline, denoisers, name=entry.name, encoders=encoders)
+            cached = {"fit": report.summary(), "fits": report.ok, "fitted": True, "fit_reason": report.reason(model)}
         except StudioError as exc:
-            cached = {"fit": f"refused: {exc.message}", "fits": False}
+            cached = {"fit": f"refused: {exc.message}", "fits": False, "fitted": False,
+                      "fit_reason": f"could not be checked against {model}"}
         except Exception as exc:  # noqa: BLE001 - one bad file must not break the listing for everyone
-            cached = {"fit": f"refused: {entry.path}: cannot be fitted ({type(exc).__name__})", "fits": False}
+            cached = {"fit": f"refused: {entry.path}: cannot be fitted ({type(exc).__name__})", "fits": False,
+                      "fitted": False, "fit_reason": f"could not be checked against {model}"}
         with _rows_lock:
             if len(_fits) >= _CACHE_ROWS:
                 _fits.clear()
             _fits[key] = cached
     return dict(cached)
+
+
+def check_fits(model: str, adapters, data_dir=None) -> None:
+    """Refuse, before a job is queued, an adapter whose fit report against ``model`` says it does not fit
+    (AdapterError: its name and file, why in one plain line, then the report's summary, which names at most
+    a few keys): the worker would refuse it only mid-job. ``adapters``: (name, path) pairs. The listing's cache answers; a miss fits the file
+    once (its header and factors, against meta-device skeletons). An adapter that could not be fitted here
+    (an error, not a report) is left to the worker's own checks."""
+    for name, path in adapters:
+        row = _fit_row(model, LibraryEntry(name, Path(path)), lambda: skeletons(model, data_dir))
+        if row["fitted"] and not row["fits"]:
+            raise AdapterError(f"adapter {name!r} ({Path(path).name}) does not fit {model}: {row['fit_reason']}. "
+                               f"Its fit report: {row['fit']}", param="lora_path")
 
 
 def format_rows(rows: list[dict]) -> str:

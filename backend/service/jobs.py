@@ -76,6 +76,10 @@ class JobService:
                                    f"({core.current_preset() or 'none'}); apply it first", param="preset")
         params = self._check_params(params, model, adapters)
         resolved = [a.as_dict() for a in core.resolver.resolve(adapters)]
+        if resolved:  # a tag or an adapter made for another model: refused now, by name, in a plain line
+            from ..lora.library import check_fits
+
+            check_fits(model or core.current_model(), [(a["name"], a["path"]) for a in resolved], core.data_dir)
         return {"kind": kind, "model": model or core.current_model(), "params": params, "adapters": resolved,
                 "preset": core.current_preset()}
 
@@ -114,7 +118,7 @@ class JobService:
                 contract.check(params)
         if spec:  # the pipeline's size multiple and frame rule too (a 100-pixel height failed in the worker)
             from ..families import spec_for
-            from ..params import check_shape
+            from ..params import check_img2img, check_shape
 
             try:
                 shape = spec_for(spec["pipeline"])
@@ -122,18 +126,19 @@ class JobService:
                 shape = None
             if shape is not None:
                 check_shape(shape, params)
+                check_img2img(shape, params)
         check_request(core.limits, (spec or {}).get("pipeline"), (spec or {}).get("defaults") or {}, params,
                       adapters)
         return params
 
     def job(self, job_id: str, *, user: User | None = None) -> dict:
-        """A job's row, if ``user`` may see it (``Core.job_for``)."""
+        """A job's row, by its id or its number (``12``, ``#12``), if ``user`` may see it (``Core.job_for``)."""
         return self.core.job_for(job_id, user)
 
     def job_preview(self, job_id: str, *, user: User | None = None) -> dict | None:
         """The latest live preview of a running job: {"step", "png"} (PNG bytes, at most 128 px a side),
         or None (not running, not yet a second into its run, or a model without previews)."""
-        self.job(job_id, user=user)  # an unknown id is refused (404) like every other job route
+        job_id = self.job(job_id, user=user)["id"]  # an unknown id is refused (404) like every other job route
         return self.core.supervisor.preview(job_id)
 
     def jobs(self, limit: int = 100, status: str | None = None, *, user: User | None = None) -> list[dict]:
@@ -148,19 +153,19 @@ class JobService:
         return [j for j in jobs if kinds is None or j.get("kind") in kinds]
 
     def cancel(self, job_id: str, *, user: User | None = None) -> dict:
-        self.job(job_id, user=user)
+        job_id = self.job(job_id, user=user)["id"]
         job, running = self.core.queue.cancel(job_id)
         if running:
             self.core.supervisor.cancel_running(job_id)
         return job
 
     def wait(self, job_id: str, timeout: float | None = None, *, user: User | None = None) -> dict:
-        self.job(job_id, user=user)
+        job_id = self.job(job_id, user=user)["id"]
         return self.core.queue.wait(job_id, timeout)
 
     async def wait_async(self, job_id: str, timeout: float | None = None, *, user: User | None = None) -> dict:
         """``wait`` from an event loop (HTTP handlers, Gradio events): no thread held while it waits."""
-        self.job(job_id, user=user)
+        job_id = self.job(job_id, user=user)["id"]
         return await self.core.queue.wait_async(job_id, timeout)
 
     def run(self, kind: str, params: dict, adapters=None, preset=None, model=None,

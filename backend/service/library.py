@@ -95,7 +95,7 @@ class AdapterLibrary:
             out.append({"name": row["name"], "format": row["format"], "rank": row["rank"], "alpha": row["alpha"],
                         "size": row["size"], "size_bytes": row["size_bytes"], "mtime": card["mtime"],
                         "usable": bool(row.get("usable")), "error": row.get("error"), "fits": fits,
-                        "fit": row["fit"]["summary"], "model": model, "model_family": model_family,
+                        "fit": row["fit"]["summary"], "fit_reason": row.get("fit_reason", ""), "model": model, "model_family": model_family,
                         "family": family, "family_source": source if family else None,
                         "base_model": cards.clean_text(hint or ""), "title": card["title"],
                         "description": card["description"], "triggers": triggers, "thumbnail": thumb,
