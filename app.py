@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 parser_class=OneLineParser)
 
     serve = sub.add_parser("serve", help="serve the UI and the HTTP API (default)")
-    serve.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL")
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help=f"the model to serve (default: the Settings tab's default model, else {DEFAULT_MODEL})")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=7860)
     serve.add_argument("--share", action="store_true", help="a public Gradio link (requires --auth or --api-key)")
@@ -352,6 +353,14 @@ def cmd_serve(args) -> int:
                     max_prompt_chars=args.max_prompt_chars, max_adapters=args.max_adapters,
                     job_timeout=args.job_timeout)
     _number_scale(args)
+    if not args.model:  # the Settings tab's default model (backend/preferences.py), else the embedded one
+        from backend import preferences
+
+        args.model = preferences.load(args.data_dir).default_model
+        if args.model:
+            print(f"serving {args.model}: the default model in the settings "
+                  f"({preferences.FILE} in the data dir)", file=sys.stderr, flush=True)
+        args.model = args.model or DEFAULT_MODEL
     studio = Studio(args.model, data_dir=args.data_dir, adapter_dirs=args.adapter_dir,
                     lora_backend=args.lora_backend, lora_paths=args.lora_path, lora_scale=args.lora_scale,
                     preset=args.preset, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import tempfile
-import uuid
 import wave
 from pathlib import Path
 
@@ -54,9 +53,14 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def default_path(metadata: dict, suffix: str, data_dir=None) -> Path:
-    stamp = metadata.get("created", "").replace(":", "").replace("-", "") or "out"
-    name = f"{stamp}-{metadata.get('seed', 0)}-{uuid.uuid4().hex[:8]}{suffix}"
-    return settings.outputs_dir(data_dir) / name
+    """Where a result goes when no path is given: ``<data-dir>/outputs/`` under the name the settings'
+    file name pattern makes (backend/preferences.py), an image in the settings' output format."""
+    from . import preferences
+
+    prefs = preferences.load(data_dir)
+    if suffix in IMAGE_SUFFIXES:
+        suffix = prefs.suffix
+    return settings.outputs_dir(data_dir) / preferences.filename(prefs, metadata, suffix)
 
 
 def output_kind(result) -> str:

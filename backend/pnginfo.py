@@ -176,6 +176,9 @@ def _a1111_weight(scale) -> str | None:
     return f"{te.pop():g}:{unet.pop():g}"
 
 
+SAMPLERS_A1111 = {"Euler": "euler", "UniPC": "unipc"}  # A1111's sampler name -> sample_solver
+
+
 def infotext(meta: dict) -> str:
     """A result's settings as A1111's infotext, the line its PNG Info tab, Civitai and ``parse_a1111`` read:
     the prompt with a ``<lora:NAME:WEIGHT>`` tag per adapter of one weight, ``Negative prompt: ...``, then
@@ -196,7 +199,9 @@ def infotext(meta: dict) -> str:
     if negative:  # (Qwen-Image's default is one blank)
         lines.append(f"Negative prompt: {negative}")
     cfg = params.get("true_cfg_scale", params.get("guidance_scale"))
-    settings = [("Steps", params.get("num_inference_steps")), ("CFG scale", cfg),
+    settings = [("Steps", params.get("num_inference_steps")),
+                ("Sampler", {v: k for k, v in SAMPLERS_A1111.items()}.get(params.get("sample_solver"))),
+                ("CFG scale", cfg),
                 ("Seed", params.get("seed", meta.get("seed"))),
                 ("Size", f"{params['width']}x{params['height']}" if params.get("width") and params.get("height")
                  else None),
@@ -240,6 +245,8 @@ def parse_a1111(text: str) -> dict | None:
                 params["guidance_scale"] = float(value)
             elif key == "Seed":
                 params["seed"] = int(value)
+            elif key == "Sampler" and value in SAMPLERS_A1111:  # the ones these pipelines run (Euler a, DPM++: no)
+                params["sample_solver"] = SAMPLERS_A1111[value]
             elif key == "Denoising strength" and "Hires upscale" not in settings:  # img2img's, not hires fix's
                 params["strength"] = float(value)
             elif key == "Size" and _SIZE.match(value):

@@ -12,7 +12,7 @@ Generate tab while the first result is shown and the others run (with its live p
 then opens the LoRA browser and shoots its cards (docs/img/lora-browser.png; adapters with
 ``modelspec.thumbnail`` / ``modelspec.trigger_phrase`` / kohya ``ss_tag_frequency`` metadata make
 the cards worth looking at), then an X/Y/Z plot of the first adapter's weight by seed
-(docs/img/xyz.png) and the Queue tab (docs/img/queue.png).
+(docs/img/xyz.png), the Queue tab (docs/img/queue.png) and the Settings tab (docs/img/settings.png).
 """
 from __future__ import annotations
 
@@ -66,8 +66,12 @@ def main(url: str, out_dir: Path) -> int:
         lora_browser(page, out_dir / "lora-browser.png")
         xyz_plot(page, out_dir / "xyz.png")
         queue_tab(page, out_dir / "queue.png")
+        page.get_by_role("tab", name="Settings").click()
+        page.wait_for_selector("#set-save")
+        time.sleep(1.0)
+        page.screenshot(path=str(out_dir / "settings.png"), full_page=False)
         browser.close()
-    for name in ("generate", "lora-browser", "xyz", "queue"):
+    for name in ("generate", "lora-browser", "xyz", "queue", "settings"):
         print(out_dir / f"{name}.png")
     return 0
 

@@ -52,6 +52,10 @@ def test_breaking_the_preset_contract_is_422_by_name(url):
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert err["param"] == "num_inference_steps" and PRESET in err["message"]
+    # #26's sampler picker: the Lightning LoRA is distilled for its Euler schedule, so UniPC is refused too
+    r = httpx.post(f"{url}/v1/images/generations", timeout=120,
+                   json={"prompt": "x", "extra_body": {"sample_solver": "unipc"}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "sample_solver", r.text
     assert jobs() == before
 
 

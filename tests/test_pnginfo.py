@@ -256,3 +256,16 @@ def test_img2img_strength_is_a1111s_denoising_strength_but_not_hires_fixs():
     hires = "a cat\nSteps: 20, Seed: 1, Size: 512x512, Denoising strength: 0.7, Hires upscale: 2"
     got = parse_a1111(hires)
     assert "strength" not in got["params"] and got["extra"]["Denoising strength"] == "0.7"
+
+
+def test_the_sampler_is_a1111s_where_it_is_one_these_pipelines_run():
+    from backend.pnginfo import infotext
+
+    meta = {"model": "demo:qwen-image", "adapters": [],
+            "params": {"prompt": "a cat", "seed": 5, "num_inference_steps": 8, "sample_solver": "unipc"}}
+    text = infotext(meta)
+    assert "Steps: 8, Sampler: UniPC," in text and parse_a1111(text)["params"]["sample_solver"] == "unipc"
+    other = parse_a1111("a cat\nSteps: 20, Sampler: DPM++ 2M Karras, Seed: 1, Size: 512x512")
+    assert "sample_solver" not in other["params"] and other["extra"]["Sampler"] == "DPM++ 2M Karras"
+    assert parse_a1111("a cat\nSteps: 20, Sampler: Euler, Seed: 1")["params"]["sample_solver"] == "euler"
+

@@ -252,6 +252,11 @@ def test_in_the_browser_a_user_sees_their_own_queue_and_gallery(users_srv, work)
             page.get_by_role("tab", name="Gallery").click()
             mine = [j for j in bobs() if j["status"] == "succeeded"]
             expect(page.locator("#gallery-page .ls-page")).to_have_attribute("data-total", str(len(mine)))
+            # the settings are the server's, for everyone's results: bob may read them, not save them
+            page.get_by_role("tab", name="Settings").click()
+            page.locator("#set-save").click()
+            expect(page.locator("#set-status .ls-error")).to_contain_text("admins only")
+            assert not Path(users_srv.home, "preferences.json").exists()
         finally:
             browser.close()
     log = Path(users_srv.home, "server.log").read_text(errors="replace")

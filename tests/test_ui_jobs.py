@@ -128,7 +128,7 @@ def test_each_click_queues_a_job_and_batches_count_seeds(page, app):  # noqa: F8
         # #26 "no per-job cancel": a queued job's ✕ cancels that one job, the others stay in the queue
         last = max(batch, key=lambda j: j["params"]["seed"])
         page.locator(f'#gen-status .ls-job[data-job="{last["id"]}"] .ls-job-cancel').click()
-        expect(page.locator("#gen-note")).to_contain_text(f"cancelled job {last['id']}")
+        expect(page.locator("#gen-note")).to_contain_text(f"cancelled job #{last['number']}")
         expect(page.locator(f'#gen-status .ls-job[data-job="{last["id"]}"]')).to_have_attribute(
             "data-status", "cancelled")
         assert [job(app, j["id"])["status"] for j in new + batch if j["id"] != last["id"]].count("cancelled") == 0
@@ -139,6 +139,29 @@ def test_each_click_queues_a_job_and_batches_count_seeds(page, app):  # noqa: F8
     expect(page.locator("#gen-status details.ls-finished summary")).to_contain_text("4 earlier jobs")
     expect(page.locator("#gen-status .ls-jobs > .ls-job")).to_have_count(1)
     fill(page, "batch-count", 1)
+
+
+def test_a_batchs_images_are_shown_side_by_side(page, app):  # noqa: F811
+    """#26 "batch results as a grid": a batch of three showed only the newest result; now the three sit in
+    a grid under it, in queue order, each captioned with its job number and seed."""
+    before = {j["id"] for j in all_jobs(app)}
+    fill(page, "prompt", "a batch of three")
+    fill(page, "seed", 40)
+    fill(page, "field-num_inference_steps", 2)
+    fill(page, "batch-count", 3)
+    page.locator("#generate-btn").click()
+    jobs = wait_for("the batch", lambda: (lambda js: js if len(js) == 3 and all(
+        j["status"] in FINISHED for j in js) else None)([j for j in all_jobs(app) if j["id"] not in before]))
+    assert all(j["status"] == "succeeded" for j in jobs), jobs
+    grid = page.locator("#result-batch")
+    expect(grid.locator("img")).to_have_count(3)
+    jobs.sort(key=lambda j: j["number"])
+    for j, caption in zip(jobs, ("seed 40", "seed 41", "seed 42")):
+        expect(grid).to_contain_text(f"#{j['number']} · {caption}")
+    shot(page, "generate-batch-grid")
+    fill(page, "batch-count", 1)
+    generate(page, app)  # a single job: one result, no grid
+    expect(grid).to_be_hidden()
 
 
 def test_preset_state_is_the_servers_in_every_tab(browser, page, app):  # noqa: F811

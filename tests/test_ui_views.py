@@ -140,6 +140,18 @@ def test_a_plots_line_has_its_eta_from_the_pace_so_far():
     assert "left" not in plot_progress([job("succeeded", 4, started=0.0)], now=9.0)
 
 
+def test_the_batch_grid_holds_two_or_more_images_in_queue_order():
+    from ui.views import batch_grid
+
+    def job(n, path, seed):
+        return {"id": f"id{n}", "number": n, "status": "succeeded", "params": {"seed": seed},
+                "result": {"path": path, "metadata": {"seed": seed}}}
+
+    assert batch_grid([job(3, "/o/a.png", 1)]) == []  # one result: the result view alone
+    assert batch_grid([job(5, "/o/b.webp", 9), job(4, "/o/a.png", 8), job(6, "/o/c.mp4", 7)]) == [
+        ("/o/a.png", "#4 · seed 8"), ("/o/b.webp", "#5 · seed 9")]  # a video is not a picture for the grid
+
+
 def test_plot_labels_are_readable():
     """#26: the labels were Pillow's 10 px default font, whose 2 px space ran "LoRA scale" together."""
     import numpy as np

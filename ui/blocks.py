@@ -8,8 +8,8 @@ from pathlib import Path
 import gradio as gr
 
 
-from . import (adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, server_state, system,
-               workspace, xyz)
+from . import (adapters, api, compare, gallery, generate, lora_browser, presets, queue_tab, server_state,
+               settings_tab, system, workspace, xyz)
 from .signed import Signed
 
 CSS = """
@@ -65,6 +65,8 @@ PAGE_JS = """
   let done = "";  // "✓ job 12 done" in the title once the page's jobs have all finished
   const finished = (s) => s === "succeeded" || s === "failed" || s === "cancelled";
   const notify = (id, status) => {
+    const prefs = document.querySelector("#ls-prefs-data");
+    if (prefs && prefs.dataset.notifications === "off") return;  // the Settings tab's switch
     const body = `job ${id} ${status}`;
     done = status === "succeeded" ? `✓ job ${id} done` : `✗ job ${id} ${status}`;
     if (!("Notification" in window) || Notification.permission !== "granted") return;
@@ -137,6 +139,9 @@ def build_ui(studio, *, auth=None, who=None) -> gr.Blocks:
         studio = Signed(studio, who)
     with gr.Blocks(title="LoRA Studio") as blocks:
         gr.Markdown("# LoRA Studio")
+        # the saved switches the page's script reads (notifications), set on load and by the Settings tab
+        prefs_box = gr.HTML(value=lambda: settings_tab.prefs_html(settings_tab.saved(studio)), elem_id="ls-prefs",
+                            padding=False)
         api.build(studio)  # first, so the named endpoints keep their names (private events are named too)
         with gr.Tabs() as tabs:
             with gr.Tab("Generate", id="generate", elem_id="tab-generate") as t_generate:
@@ -157,6 +162,8 @@ def build_ui(studio, *, auth=None, who=None) -> gr.Blocks:
                 list_outputs, gallery_ins, gallery_outs = gallery.build(studio, gen, tabs)
             with gr.Tab("System", id="system", elem_id="tab-system") as t_system:
                 show_system, system_outs = system.build(studio)
+            with gr.Tab("Settings", id="settings", elem_id="tab-settings") as t_settings:
+                settings_tab.build(studio, prefs_box)
 
         # each tab refreshes when shown; the queue table ticks only while its tab is open
         def tab_refresh(fn, tab, outs):
@@ -170,7 +177,7 @@ def build_ui(studio, *, auth=None, who=None) -> gr.Blocks:
             return gr.Timer(active=True), job_rows(request)
 
         t_queue.select(open_queue, None, [timer, job_table], api_visibility="private")
-        for other in (t_adapters, t_presets, t_gallery, t_system):
+        for other in (t_adapters, t_presets, t_gallery, t_system, t_settings):
             other.select(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
 
         def on_load():
@@ -186,7 +193,8 @@ def build_ui(studio, *, auth=None, who=None) -> gr.Blocks:
                                              gen.hint, gen.seen], api_visibility="private", js=PAGE_JS)
         workspace.wire(studio, gen, tabs, {
             "generate": t_generate, "compare": t_compare, "xyz": t_xyz, "adapters": t_adapters,
-            "presets": t_presets, "queue": t_queue, "gallery": t_gallery, "system": t_system}, loaded)
+            "presets": t_presets, "queue": t_queue, "gallery": t_gallery, "system": t_system,
+            "settings": t_settings}, loaded)
         blocks.load(None, None, None, api_visibility="private", js=lora_browser.PAGE_JS)
     # Follow-events only poll the Studio's queue (which serializes the work), so they need no
     # Gradio-side limit; that is what lets the UI show the real queue position.

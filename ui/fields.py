@@ -56,7 +56,9 @@ WIDGETS: tuple[FieldWidget, ...] = (
     FieldWidget("boundary_ratio", "Boundary ratio (boundary_ratio)", "float", "sampling",
                 "Wan2.2: steps with t >= ratio x 1000 run on the high-noise transformer", step=0.005),
     FieldWidget("flow_shift", "Flow shift (flow_shift)", "float", "sampling", step=0.5),
-    FieldWidget("sample_solver", "Solver (sample_solver)", "choice", "sampling", choices=("euler", "unipc")),
+    FieldWidget("sample_solver", "Sampler (sample_solver)", "choice", "sampling", choices=("euler", "unipc"),
+                info="euler: the pipeline's own flow-matching Euler; unipc: UniPC multistep on the same flow sigmas "
+                     "(diffusers' DPM++ schedulers do not take these pipelines' sigma schedule)"),
     FieldWidget("num_frames", "Frames (num_frames)", "int", "video", "Wan: 4k+1 (5, 9, 17, 81...)", step=4),
     FieldWidget("fps", "FPS (fps)", "int", "video", step=1),
 )

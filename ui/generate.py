@@ -64,6 +64,7 @@ class GenerateTab:
     video: gr.Video = None
     metadata: gr.JSON = None
     infotext: gr.Textbox = None  # the shown result's settings as one A1111 infotext (pnginfo.infotext)
+    grid: gr.Gallery = None  # the followed jobs' images side by side (a batch), shown from two on
     pending_image: gr.State = None  # "send to image-to-video": the image waiting for the model switch
     browser_slot: gr.Column = None  # under the prompt: where blocks.py puts the LoRA browser
 
@@ -236,6 +237,8 @@ def build(studio) -> GenerateTab:
             t.image = gr.Image(label="Result", type="filepath", interactive=False, elem_id="result-image",
                                format="png")
             t.video = gr.Video(label="Result", interactive=False, visible=False, elem_id="result-video")
+            t.grid = gr.Gallery(label="This batch (newest result above)", visible=False, columns=4, height="auto",
+                                object_fit="contain", interactive=False, elem_id="result-batch")
             t.infotext = gr.Textbox(label="Infotext (A1111: paste into its PNG Info, Civitai or our Gallery)",
                                     interactive=False, lines=2, max_lines=6, buttons=["copy"],
                                     elem_id="result-infotext")

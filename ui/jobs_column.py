@@ -150,8 +150,9 @@ def wire(studio, t, go, stop, cancel_one) -> None:
             watch["ids"] = [str(j["id"]) for j in jobs]
             spp = studio.seconds_per_step() if any(j.get("status") == "running" for j in jobs) else None
             previews = {}
+            shows_previews = studio.preferences()["live_previews"]  # the Settings tab's switch
             for j in jobs:  # the running job's latents as a small image, about once a second
-                if j.get("status") == "running":
+                if shows_previews and j.get("status") == "running":
                     try:
                         previews[str(j["id"])] = mine.job_preview(j["id"])
                     except Exception:  # it ended meanwhile
@@ -163,6 +164,10 @@ def wire(studio, t, go, stop, cancel_one) -> None:
             if html != watch.get("html"):
                 watch["html"] = out["jobs"] = html
             done = [j for j in jobs if j.get("status") == "succeeded"]
+            grid = views.batch_grid(done)  # a batch's images side by side, once two have come
+            if [p for p, _ in grid] != watch.get("grid"):
+                watch["grid"] = [p for p, _ in grid]
+                out["grid"] = gr.update(value=grid or None, visible=bool(grid))
             if done:
                 newest = max(done, key=lambda j: j.get("finished_at") or 0)
                 if str(newest["id"]) != watch.get("shown"):
@@ -217,12 +222,14 @@ def wire(studio, t, go, stop, cancel_one) -> None:
                 out["stack"] = [kept, *render_stack(kept, two_stage_of(studio, model_id))]
                 out["note"] = error_html(f"removed from the stack (no longer in the library): {', '.join(gone)}")
         keep = gr.update()
-        return ([out.get("jobs", keep), *out.get("result", [keep] * 4), watch, seen, out.get("badge", keep),
+        return ([out.get("jobs", keep), *out.get("result", [keep] * 4), out.get("grid", keep), watch, seen,
+                 out.get("badge", keep),
                  out.get("preset", keep), *out.get("model", [keep, keep]),
                  *out.get("fields", [keep] * len(WIDGETS)), *out.get("library", [keep, keep]),
                  *out.get("stack", [keep] * (1 + len(t.row_outputs()))), out.get("note", keep)])
 
-    poll_outputs = [t.jobs, t.image, t.video, t.metadata, t.infotext, t.watch, t.seen, t.badge, t.preset, t.model, t.mode,
+    poll_outputs = [t.jobs, t.image, t.video, t.metadata, t.infotext, t.grid, t.watch, t.seen, t.badge, t.preset,
+                    t.model, t.mode,
                     *t.field_outputs(), t.pick, t.unfit, t.stack, *t.row_outputs(), t.status]
     t.timer.tick(poll, [t.watch, t.seen, t.model, t.stack, t.status], poll_outputs, api_visibility="private",
                  queue=False, show_progress="hidden")
@@ -239,10 +246,11 @@ def _wire_cancel_one(studio, t, box) -> None:
             job = studio.of(request).cancel(job_id)
         except Exception as exc:  # finished meanwhile, or not a job
             return error_html(readable(exc))
+        label = views.job_label(job)
         if job.get("status") == "running":
-            return ok_html(f"cancelling job {job_id}: it stops at its next step")
-        return ok_html(f"cancelled job {job_id}" if job.get("status") == "cancelled"
-                       else f"job {job_id} has already {job.get('status')}")
+            return ok_html(f"cancelling job {label}: it stops at its next step")
+        return ok_html(f"cancelled job {label}" if job.get("status") == "cancelled"
+                       else f"job {label} has already {job.get('status')}")
 
     box.change(cancel_one, box, t.status, api_visibility="private", queue=False)
 

@@ -11,8 +11,21 @@ from .views import ModelInfo, error_html, readable
 NO_PRESET = "(none: base weights)"
 
 
+PREFERRED = {"width": "width", "height": "height", "steps": "num_inference_steps"}  # setting -> field
+
+
 def models_by_id(studio) -> dict[str, ModelInfo]:
-    return {m["id"]: ModelInfo.from_dict(m) for m in studio.models()}
+    """The models offered, each with the defaults the Generate tab fills in: the model's own, with the
+    Settings tab's size and steps over them on image models (a video model keeps its own frame size)."""
+    prefs = studio.preferences()
+    preferred = {f: prefs[k] for k, f in PREFERRED.items() if prefs.get(k) is not None}
+    models = {}
+    for d in studio.models():
+        m = ModelInfo.from_dict(d)
+        if preferred and not m.is_video:
+            m.defaults.update({f: v for f, v in preferred.items() if f in m.fields})
+        models[m.id] = m
+    return models
 
 
 def model_choices(studio) -> list[tuple[str, str]]:

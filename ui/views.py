@@ -130,6 +130,20 @@ def job_label(job: dict) -> str:
     return f"#{job['number']}" if isinstance(job.get("number"), int) else str(job.get("id", ""))
 
 
+def batch_grid(done: list[dict]) -> list[tuple[str, str]]:
+    """The followed jobs' image results as (path, caption "#12 · seed 7"), in queue order, when there are
+    two or more (one result is the result view's alone); a video's is left out."""
+    from backend.outputs import IMAGE_SUFFIXES
+
+    images = [j for j in done if str((j.get("result") or {}).get("path", "")).lower().endswith(IMAGE_SUFFIXES)]
+    if len(images) < 2:
+        return []
+    images.sort(key=lambda j: (j.get("number") or 0, j.get("created_at") or 0))
+    return [(j["result"]["path"], f"{job_label(j)} · seed "
+             f"{((j['result'].get('metadata') or {}).get('seed', (j.get('params') or {}).get('seed')))}")
+            for j in images]
+
+
 def job_fraction(job: dict) -> float:
     prog = job.get("progress") or {}
     step, total = prog.get("step") or 0, prog.get("total") or 0

@@ -23,7 +23,7 @@ from .fields import WIDGETS
 STORAGE_KEY = "lora-studio-workspace"
 SECRET_FILE = "ui-browser-state.key"
 MAX_TEXT = 20_000  # a saved prompt longer than this is not put back (the server's prompt limit is lower)
-TABS = ("generate", "compare", "xyz", "adapters", "presets", "queue", "gallery", "system")
+TABS = ("generate", "compare", "xyz", "adapters", "presets", "queue", "gallery", "system", "settings")
 RESTORED_JS = "() => { document.body.dataset.workspace = 'restored'; }"
 SAVED_FIELDS = tuple(w for w in WIDGETS if w.kind != "image")  # an upload's temporary path would not outlive it
 

@@ -232,6 +232,7 @@ class RayDispatcher:
         from ..outputs import save_result
 
         result.metadata["job_id"] = job_id  # metadata["engine"] names the replica that ran it
+        result.metadata["job_number"] = self.queue.get(job_id).get("number")  # the output's name may use it
         self.info.update(device=result.metadata.get("device") or self.info.get("device"),  # what replicas run
                          dtype=result.metadata.get("dtype") or self.info.get("dtype"))
         fused, distill = self.info.get("fused") or {}, result.metadata.get("distill")

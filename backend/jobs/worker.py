@@ -143,7 +143,7 @@ class _Worker:
                                        cancel=self.cancel if cancel is None else cancel,
                                        queued_same=int(job.get("queued_same") or 0),
                                        on_preview=self._previews([job["id"]]))
-        result.metadata["job_id"] = job["id"]
+        result.metadata["job_id"], result.metadata["job_number"] = job["id"], job.get("number")
         if job.get("batch_decision"):  # formed as a batch, run alone by the cost model's choice
             result.metadata["batch"] = {"size": 1, "index": 0, "decision": job["batch_decision"]}
         if self.engine is not None:  # this job's own adapter reads from disk (0 when prefetch had them)
@@ -266,7 +266,7 @@ class _Worker:
                                  on_preview=self._previews([j["id"] for j in jobs],
                                                            skip=lambda job_id: job_id in self._cancelled))
         for job, result in zip(jobs, results):
-            result.metadata["job_id"] = job["id"]
+            result.metadata["job_id"], result.metadata["job_number"] = job["id"], job.get("number")
             result.metadata["batch"] = {**result.metadata["batch"], "decision": decision}
             if first_step:
                 result.metadata["first_step_s"] = round(first_step[0], 4)

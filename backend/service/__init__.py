@@ -182,6 +182,26 @@ class Studio:
     def loaded_adapters(self) -> list[dict]:
         return self.library.loaded_adapters()
 
+    # -- the application's settings (backend/preferences.py) --------------------------------------
+    def preferences(self) -> dict:
+        """The saved settings (the Settings tab), as plain values."""
+        from .. import preferences
+
+        return preferences.load(self.data_dir).model_dump()
+
+    def set_preferences(self, data: dict, *, user: User | None = None) -> dict:
+        """Check and save the settings; each problem names its setting. They are the server's (output
+        names and format for everyone's results): where several users share it, admins only."""
+        from .. import preferences
+        from ..errors import PathNotAllowed
+
+        if user is not None and not user.admin:
+            raise PathNotAllowed("the settings are the server's, for every user: admins only", param="preferences")
+        prefs = preferences.check(data)
+        if prefs.default_model:  # one a client may name (the same rule as a request's model)
+            self.model_service.check_model(prefs.default_model)
+        return preferences.save(prefs.model_dump(), self.data_dir).model_dump()
+
     # -- outputs (gallery.py) --------------------------------------------------------------------
     def outputs_dir(self) -> str:
         return self.gallery.outputs_dir()
@@ -212,7 +232,7 @@ class Studio:
 # the methods that read or change someone's work: a UserView passes its user to these
 OWNED = frozenset({"submit", "submit_many", "job", "job_preview", "jobs", "active_jobs", "cancel", "wait",
                    "wait_async", "run", "make_preview", "outputs", "output_facets", "delete_output",
-                   "result_image", "bake_model"})
+                   "result_image", "bake_model", "set_preferences"})
 
 
 class UserView:
