@@ -101,7 +101,7 @@ def xyz_plot(page, out: Path) -> None:
 def queue_tab(page, out: Path) -> None:
     """The Queue tab: short job numbers, nine columns that fit the page."""
     page.get_by_role("tab", name="Queue").click()
-    page.wait_for_selector("#queue-table tbody tr")
+    page.wait_for_selector("#queue-table tbody tr", state="attached")  # (the table's rows read as hidden)
     time.sleep(1.5)
     page.screenshot(path=str(out), full_page=False)
 

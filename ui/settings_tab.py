@@ -11,7 +11,8 @@ from __future__ import annotations
 import gradio as gr
 
 from backend.errors import InvalidParameter
-from backend.preferences import TOKENS, Preferences, check, filename
+from backend.service import FILENAME_TOKENS as TOKENS, Preferences, preferred_filename as filename
+from backend.service import check_preferences as check
 
 from .views import error_html, ok_html, readable
 

@@ -133,7 +133,7 @@ def job_label(job: dict) -> str:
 def batch_grid(done: list[dict]) -> list[tuple[str, str]]:
     """The followed jobs' image results as (path, caption "#12 · seed 7"), in queue order, when there are
     two or more (one result is the result view's alone); a video's is left out."""
-    from backend.outputs import IMAGE_SUFFIXES
+    from backend.service import IMAGE_SUFFIXES
 
     images = [j for j in done if str((j.get("result") or {}).get("path", "")).lower().endswith(IMAGE_SUFFIXES)]
     if len(images) < 2:

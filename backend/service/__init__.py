@@ -19,7 +19,10 @@ from ..families import DEFAULT_MODEL
 from ..jobs.queue import FINISHED
 from ..limits import MAX_PLOT_PIXELS, MAX_PLOT_SIDE, check_plot_cells, check_plot_size  # noqa: F401 (the UI's plot budget)
 from ..lora.schedule import parse_text as parse_scale_text  # noqa: F401 - the UI's scale fields (torch-free)
+from ..outputs import IMAGE_SUFFIXES  # noqa: F401 - the UI's batch grid (which results are pictures)
 from ..pnginfo import infotext  # noqa: F401 - the UI's result line (torch-free)
+from ..preferences import TOKENS as FILENAME_TOKENS  # noqa: F401 - the UI's Settings tab (torch-free)
+from ..preferences import Preferences, check as check_preferences, filename as preferred_filename  # noqa: F401
 from ..users import NOBODY, User
 from .core import Core
 from .gallery import Gallery
