@@ -348,6 +348,12 @@ def _wire(studio, t: GenerateTab, refresh, dice, apply_btn) -> None:
 
     # -- presets ----------------------------------------------------------------------------
     def preset_note(preset_id):
+        """What picking ``preset_id`` would do. The picker also changes when the poll or the page's load shows
+        the server's state: for the state the server has, the note keeps what Apply said ("restored the base
+        weights"), which the poll's re-sent picker replaced (a race CI met in test_preset_picker_fuses_and_restores)."""
+        current = studio.current_preset()
+        if (preset_id or NO_PRESET) == (current or NO_PRESET):
+            return gr.update()
         if not preset_id or preset_id == NO_PRESET:
             return "Generation runs on the base weights (plus the LoRA stack)."
         p = next((p for p in studio.presets() if p.get("id") == preset_id), None)
