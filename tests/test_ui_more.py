@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from ui_browser import (TIMEOUT_MS, add_to_stack, all_jobs, browser, choose, expect, fill, generate,  # noqa: F401
-                        loaded, needs_chromium, open_page, page, reload, shot, wait_for)
+from ui_browser import (TIMEOUT_MS, add_to_stack, all_jobs, browser, choose, clear_stack, expect, fill,  # noqa: F401
+                        generate, loaded, needs_chromium, open_page, page, reload, shot, wait_for)
 from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
 
 pytestmark = needs_chromium
@@ -147,8 +147,7 @@ def test_xyz_weight_axis_eta_and_cancel_keep_the_finished_cells(page, app, lora_
         else:
             assert (crop == 200).all(axis=-1).mean() > 0.5, box  # the grey "cancelled" box
     page.get_by_role("tab", name="Generate").click()
-    page.locator("#stack-remove-1").click()
-    page.locator("#stack-remove-0").click()
+    clear_stack(page, 2)
     fill(page, "field-num_inference_steps", 2)
 
 
@@ -616,9 +615,7 @@ def test_the_stack_is_saved_as_one_lora_that_draws_the_same(page, app, lora_file
     expect(page.locator("#gen-note")).to_contain_text("saved the stack (exp-style, exp-other) as exp-both")
     saved = app.data_dir / "adapters" / "exp-both.safetensors"
     assert saved.is_file()
-    page.locator("#stack-remove-1").click()
-    page.locator("#stack-remove-0").click()
-    expect(page.locator("#stack-row-0:visible")).to_have_count(0)  # the clicks have landed: the stack is empty
+    clear_stack(page, 2)  # the clicks have landed: the stack is empty
     add_to_stack(page, "exp-both")  # in the picker once the library poll has seen it
     alone = generate(page, app)
     assert alone["status"] == "succeeded" and [a["name"] for a in alone["adapters"]] == ["exp-both"], alone

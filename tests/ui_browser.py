@@ -128,3 +128,12 @@ def add_to_stack(page, name: str) -> None:
     choose(page, "adapter-pick", name)
     page.locator("#adapter-add").click()
     expect(page.locator("#stack-name-0 textarea, #stack-name-0 input").first).to_have_value(name)
+
+
+def clear_stack(page, rows: int) -> None:
+    """Empty a LoRA stack of ``rows`` rows from the last, each removal seen landed before the next click (two
+    quick clicks on the ✕ race: both handlers read the stack before either writes it, and one row comes back)."""
+    for i in reversed(range(rows)):
+        page.locator(f"#stack-remove-{i}").click()
+        expect(page.locator(f"#stack-row-{i}:visible")).to_have_count(0)
+
