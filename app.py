@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="auto",
                         help="the dtype the model is served in (auto: bfloat16 with CUDA, else float32): where "
                              "adapters with different weights share a layer, the file is exact for that dtype")
+    export.add_argument("--layout", choices=("diffusers", "kohya"), default="diffusers",
+                        help="diffusers (transformer.<module>.lora_A/B, exact) or kohya (sd-scripts' lora_unet_ / "
+                             "lora_te_ names with .alpha, as ComfyUI and A1111 read them; to fp32 rounding)")
     export.add_argument("--portable", action="store_true",
                         help="fold every layer's weight into its factors (scale 1, no per-layer alpha in the "
                              "header): for ComfyUI, A1111 and other readers of plain diffusers-layout files; exact "
@@ -447,8 +450,9 @@ def cmd_export_lora(args) -> int:
     specs = _stack_specs(args.adapters, resolver)
     dtype = pick_dtype(args.dtype, pick_device("auto"))
     written = export_stack(resolver.resolve(specs), args.model, out, data_dir=args.data_dir, dtype=dtype,
-                           portable=args.portable)
-    exact = f"exact in {written['exact_in']}" if written["exact_in"] else "portable (to fp32 rounding)"
+                           portable=args.portable, layout=args.layout)
+    exact = f"exact in {written['exact_in']}" if written["exact_in"] else \
+        f"{args.layout} layout{', portable' if args.portable else ''} (to fp32 rounding)"
     print(f"wrote {written['path']}: {written['layers']} layers, rank up to {written['rank']}, {exact}, from " + " + ".join(f"{s['name']} x{s['scale']}" for s in written["from"]))
     return 0
 

@@ -33,6 +33,8 @@ def _one_of(choices) -> str:
 
 IMG2IMG_STRENGTH = 0.75  # img2img's strength when a request gives an image and no strength (A1111's default)
 
+MAX_BATCH_SIZE = 8  # images in one batched call at most (the HTTP API's n is at most 8 too)
+
 FIELDS: dict[str, Field] = {
     "prompt": Field(str, lambda v: v.strip() != "", "a non-empty string"),
     "negative_prompt": Field((str, type(None))),
@@ -58,17 +60,24 @@ FIELDS: dict[str, Field] = {
     "audio_flow_shift": Field(float, lambda v: 0 < v <= 100, "a number in (0, 100]"),
     "last_image": Field(object, None, "an image"),
     "references": Field(object, None, "a list of images"),
+    # the job's, not the pipeline's (``JOB_FIELDS``): how many compatible queued images may share one
+    # pipeline call (backend/batch.py), A1111's "batch size"; the worker's cost model still decides
+    "batch_size": Field(int, lambda v: 1 <= v <= MAX_BATCH_SIZE, f"an integer in [1, {MAX_BATCH_SIZE}]"),
 }
 
 IMAGE_FIELDS = ("image", "last_image")
+#: request fields for the scheduler, never passed to a pipeline (``validate`` leaves them out)
+JOB_FIELDS = ("batch_size",)
 
 
 def validate(spec: PipelineSpec, request: dict, defaults: dict | None = None) -> dict:
     """Return the complete, checked parameter set for one generation.
 
     ``defaults`` (the model's or a preset's sampling defaults) fill what the request
-    omits; ``None`` values in the request mean "use the default".
+    omits; ``None`` values in the request mean "use the default". ``JOB_FIELDS`` (a queued job's
+    ``batch_size``) are the scheduler's: checked at submit, left out here.
     """
+    request = {k: v for k, v in request.items() if k not in JOB_FIELDS}
     unknown = sorted(k for k in request if k not in spec.fields)
     if unknown:
         raise InvalidParameter(

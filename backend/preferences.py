@@ -15,8 +15,8 @@ line and the defaults stand, so a bad edit never stops a start). What reads them
   ``{prompt}``, ``{number}`` and ``{id}``; each value is reduced to ``[A-Za-z0-9._-]`` and cut, and a
   short unique tail is added unless ``{id}`` is in it, so nothing is overwritten and nothing a prompt
   says can choose a folder (``filename``).
-- ``live_previews`` / ``notifications``: whether the page shows running jobs' previews and raises a
-  browser notification when a job ends.
+- ``live_previews``: whether running jobs get live previews at all (off: the worker makes none).
+- ``notifications``: whether the page raises a browser notification when a job ends.
 """
 from __future__ import annotations
 

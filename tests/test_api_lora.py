@@ -283,9 +283,21 @@ def test_a_stack_exported_over_http_draws_what_the_stack_draws(server, data_dir)
             assert "lora_adapter_metadata" not in f.metadata()
         assert np.abs(_image(url, lora={"name": "ink-portable"}).astype(int)
                       - _image(url, lora=stack[:1]).astype(int)).max() <= 1
+        # the kohya layout (sd-scripts' names, per-layer .alpha): the stack's picture within one level
+        r = httpx.post(f"{url}/v1/loras/export", json={"lora": stack, "name": "ink-kohya", "layout": "kohya"},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["layout"] == "kohya" and r.json()["exact_in"] is None, r.text
+        with safe_open(str(data_dir / "adapters" / "ink-kohya.safetensors"), "pt") as f:
+            assert all(k.startswith("lora_unet_") for k in f.keys())
+        assert np.abs(_image(url, lora={"name": "ink-kohya"}).astype(int)
+                      - _image(url, lora=stack).astype(int)).max() <= 1
+        bad = httpx.post(f"{url}/v1/loras/export", json={"lora": stack, "name": "ink-x", "layout": "comfy"},
+                         timeout=120)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "layout", bad.text
     finally:
         (data_dir / "adapters" / "ink-film.safetensors").unlink()
         (data_dir / "adapters" / "ink-portable.safetensors").unlink(missing_ok=True)
+        (data_dir / "adapters" / "ink-kohya.safetensors").unlink(missing_ok=True)
 
 
 def test_a_text_encoder_lora_is_weighted_apart_over_http_and_in_the_a1111_tag(server, data_dir):

@@ -26,6 +26,19 @@ def weights(m) -> dict:
     return {k: v.detach().clone() for k, v in m.denoisers()["transformer"].state_dict().items()}
 
 
+def base_stack_file(m, resolved, path, read=weights) -> tuple[dict, dict, dict]:
+    """``read(m)`` of the base, with the stack merged, and with the exported file at ``path`` merged at weight 1
+    (the engine left with no adapter)."""
+    engine = m.lora_engine
+    base = read(m)
+    engine.activate([(LoRARequest(a.name, next(_IDS), a.path), a.scale) for a in resolved])
+    want = read(m)
+    engine.activate([(LoRARequest(path.stem, next(_IDS), str(path)), 1.0)])
+    got = read(m)
+    engine.activate([])
+    return base, want, got
+
+
 @pytest.mark.parametrize("stack", [STACK, [{"name": "demo-inverted", "scale": 0.7}],
                                    [{"name": "demo-inverted", "scale": 0.3}, {"name": "demo-outline", "scale": 0.3}],
                                    [{"name": "demo-inverted", "scale": 0.7}, {"name": "demo-nine", "scale": 1 / 3}],
@@ -43,16 +56,10 @@ def test_the_exported_file_merges_to_the_stack_bit_for_bit(stack, dtype, manager
                            dtype=getattr(torch, dtype))
     assert written["exact_in"] == dtype
     assert written["layers"] > 0 and [s["name"] for s in written["from"]] == [a["name"] for a in stack]
-    engine = m.lora_engine
-    base = weights(m)
-    engine.activate([(LoRARequest(a.name, next(_IDS), a.path), a.scale) for a in resolver.resolve(stack)])
-    want = weights(m)
-    engine.activate([(LoRARequest("ink-film", next(_IDS), str(out)), 1.0)])
-    got = weights(m)
+    base, want, got = base_stack_file(m, resolver.resolve(stack), out)
     changed = [k for k in want if not torch.equal(want[k], got[k])]
     assert not changed, changed[:5]
     assert any(not torch.equal(base[k], got[k]) for k in base)
-    engine.activate([])
     if stack is not STACK:
         return
     with safe_open(str(out), "pt") as f:  # the file says where it came from
@@ -125,12 +132,78 @@ def test_a_portable_file_carries_no_per_layer_alpha_and_is_the_stack_to_rounding
         assert "lora_adapter_metadata" not in f.metadata() and "lora_studio.exact_in" not in f.metadata()
     m = managers(MODEL)
     resolver = AdapterResolver([], data_dir, model=MODEL)
-    engine = m.lora_engine
-    engine.activate([(LoRARequest(a.name, next(_IDS), a.path), a.scale)
-                     for a in resolver.resolve([{"name": "demo-inverted", "scale": 0.7}])])
-    want = weights(m)
-    engine.activate([(LoRARequest("portable", next(_IDS), str(out)), 1.0)])
-    got = weights(m)
-    engine.activate([])
+    _, want, got = base_stack_file(m, resolver.resolve([{"name": "demo-inverted", "scale": 0.7}]), out)
     worst = max(float((want[k] - got[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)) for k in want)
     assert 0 < worst <= 1e-6, worst  # rounding apart, and not bit for bit (one adapter alone: its weight folded)
+
+
+# -- the kohya layout (sd-scripts' names), per family ----------------------------------------------------
+KOHYA_STACKS = {
+    "demo:qwen-image": STACK,
+    "demo:wan2.1-t2v": [{"name": "wan21-t2v-musubi-demo", "scale": 0.9}],
+}
+KOHYA_KEY = r"lora_(unet|te[123]?)_[A-Za-z0-9_]+\.(lora_down\.weight|lora_up\.weight|alpha)"
+
+
+def all_weights(m) -> dict:
+    return {f"{c}.{k}": v.detach().clone() for c, x in {**m.denoisers(), **m.encoders()}.items()
+            for k, v in x.state_dict().items()}
+
+
+@pytest.mark.parametrize("model", list(KOHYA_STACKS))
+def test_a_kohya_file_holds_the_stack_under_sd_scripts_names(model, managers, library, data_dir, tmp_path):
+    """#28 item 5's kohya layout: ``lora_unet_<module, dots as _>`` with ``lora_down`` / ``lora_up`` / ``alpha``
+    (alpha / r the layer's scale), no diffusers header config; read back (here through the same readers that
+    take kohya files from ComfyUI or A1111 users) and merged at weight 1 it is the stack's merge to fp32
+    rounding."""
+    import re
+
+    stack = KOHYA_STACKS[model]
+    m = managers(model)
+    resolver = AdapterResolver([], data_dir, model=model)
+    out = tmp_path / "kohya.safetensors"
+    written = export_stack(resolver.resolve(stack), model, out, data_dir=data_dir, title="kohya", layout="kohya")
+    assert written["layout"] == "kohya" and written["exact_in"] is None and written["layers"] > 0
+    tensors = load_file(str(out))
+    odd = [k for k in tensors if not re.fullmatch(KOHYA_KEY, k)]
+    assert not odd, odd[:5]
+    if "wan" in model:  # Wan's original module names, as musubi-tuner writes them (blocks_0_self_attn_q)
+        assert any("_self_attn_q." in k for k in tensors) and not any("attn1" in k for k in tensors)
+    assert len([k for k in tensors if k.endswith(".alpha")]) == written["layers"]
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    assert "lora_adapter_metadata" not in meta
+    assert meta["ss_network_module"] == ("networks.lora_wan" if "wan" in model else "networks.lora")
+    assert meta["modelspec.title"] == "kohya" and stack[0]["name"] in meta["modelspec.description"]
+
+    base, want, got = base_stack_file(m, resolver.resolve(stack), out, read=all_weights)
+    changed = [k for k in want if not torch.equal(base[k], want[k])]
+    assert changed and all(not torch.equal(base[k], got[k]) for k in changed)
+    worst = max(float((want[k] - got[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)) for k in want)
+    print(f"{model}: kohya file vs the stack, max |diff| / max|W| = {worst:.1e} over {len(changed)} tensors")
+    assert worst <= 1e-6, worst
+
+
+def test_what_the_kohya_layout_cannot_hold_is_refused_by_name(data_dir, library, tmp_path):
+    """Refused by name, nothing written: a stack that changes Wan2.2's low-noise expert (``transformer_2``: a
+    kohya file holds one transformer), a LoRA bias (lightx2v's ``diff_b``: kohya has no key for one), SD3.5's
+    transformer (its kohya names are MMDiT's own, which diffusers does not read back), an unknown layout."""
+    sd3 = AdapterResolver([], data_dir, model="demo:sd3.5")
+    with pytest.raises(InvalidParameter, match="MMDiT") as err:
+        export_stack(sd3.resolve([{"name": "sd35-watercolor"}]), "demo:sd3.5", tmp_path / "sd3.safetensors",
+                     data_dir=data_dir, layout="kohya")
+    assert err.value.param == "layout" and not (tmp_path / "sd3.safetensors").exists()
+    model = "demo:wan2.2-t2v"
+    resolver = AdapterResolver([], data_dir, model=model)
+    out = tmp_path / "low.safetensors"
+    with pytest.raises(InvalidParameter, match="changes transformer_2") as err:
+        export_stack(resolver.resolve([{"name": "wan22-t2v-lightx2v-low"}]), model, out, data_dir=data_dir,
+                     layout="kohya")
+    assert err.value.param == "layout" and not out.exists()
+    high_only = [{"name": "wan22-t2v-lightx2v-high", "scale": {"transformer": 1.0, "transformer_2": 0.0}}]
+    with pytest.raises(InvalidParameter, match="adds a LoRA bias there") as err:  # lightx2v's diff_b
+        export_stack(resolver.resolve(high_only), model, out, data_dir=data_dir, layout="kohya")
+    assert err.value.param == "layout" and not out.exists()
+    with pytest.raises(InvalidParameter, match="layout 'comfy'"):
+        export_stack(resolver.resolve([{"name": "wan22-t2v-lightx2v-high"}]), model, out, data_dir=data_dir,
+                     layout="comfy")

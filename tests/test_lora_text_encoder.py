@@ -119,6 +119,30 @@ def test_kohya_encoder_keys_merge_as_peft_merges_them_and_come_back_bit_for_bit(
     assert sums(m) == base  # every encoder restored bit for bit
 
 
+def test_encoder_layers_are_exported_under_kohyas_te_prefixes(managers, sd3_files, data_dir, tmp_path):
+    """#28 item 5, the kohya layout: the diffusers-saved encoder LoRA (``text_encoder.`` keys) exported as
+    sd-scripts names SD3.5's encoders (``lora_te1_`` CLIP-L, ``lora_te2_`` CLIP-G), read back to what peft merges."""
+    from safetensors.torch import load_file
+
+    from backend.jobs.adapters import AdapterResolver
+    from backend.lora.export import export_stack
+
+    resolver = AdapterResolver([sd3_files["root"] / "te-diffusers"], data_dir, model=SD3)
+    out = tmp_path / "te-as-kohya.safetensors"
+    export_stack(resolver.resolve([{"path": str(sd3_files["diffusers"])}]), SD3, out, data_dir=data_dir,
+                 layout="kohya")
+    prefixes = {k.split("_", 2)[1] for k in load_file(str(out))}
+    assert prefixes == {"te1", "te2"}, prefixes
+    m = managers(SD3)
+    base = sums(m)
+    assert m.lora_engine.activate([(req("te-as-kohya", out), 1.0)])[0]["format"] == "kohya"
+    for comp in ("text_encoder", "text_encoder_2"):
+        want = sd3_files["want"][comp]
+        assert_close(encoder_weights(m, comp, want), want, f"exported kohya lora_te* -> {comp}")
+    m.lora_engine.activate([])
+    assert sums(m) == base
+
+
 def test_diffusers_saved_encoder_layers_read_with_their_saved_alpha(managers, sd3_files):
     m = managers(SD3)
     base = sums(m)

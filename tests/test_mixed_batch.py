@@ -213,6 +213,30 @@ def test_four_jobs_with_different_adapters_run_as_one_batch_over_http(data_dir, 
             print(f"http sample {i} ({n}): max |batched - alone| = {diff}/255")
             assert diff <= TOL
             assert [a["name"] for a in batched[i][1]["adapters"]] == [a["name"] for a in item["metadata"]["adapters"]]
+            if n is None:
+                base_alone = alone
+
+        # #26, A1111's "batch size": n images asking batch_size 4 are claimed together on this --max-batch 1
+        # server (the worker's cost model then runs them as one call or one by one, and says which)
+        r = c.post("/v1/images/generations", json={**_body(3, None), "n": 4, "batch_size": 4}, timeout=300)
+        assert r.status_code == 200, r.text
+        items = r.json()["data"]
+        assert [it["metadata"]["seed"] for it in items] == [103, 104, 105, 106]
+        for it in items:
+            batch = it["metadata"]["batch"]
+            assert batch["decision"]["mode"] in ("batched", "sequential"), batch
+            assert batch["size"] == (4 if batch["decision"]["mode"] == "batched" else 1), batch
+        first = items[0]["metadata"]["batch"]["decision"]
+        print(f"batch_size 4 on --max-batch 1, first: {first}")
+        assert first["mode"] == "batched" and "measure" in first["reason"]  # no batch of 4 measured before
+        assert int(np.abs(_png(items[0]) - base_alone).max()) <= TOL  # seed 103: the same picture as alone
+        r = c.post("/v1/images/generations", json={**_body(3, None), "n": 4, "batch_size": 4}, timeout=300)
+        then = r.json()["data"][0]["metadata"]["batch"]["decision"]
+        print(f"batch_size 4 on --max-batch 1, then: {then}")
+        assert "batch_eff" in then  # decided from the batch measured above
+        for bad, says in ((9, "[1, 8]"), ("four", "integer")):
+            r = c.post("/v1/images/generations", json={**_body(3, None), "batch_size": bad}, timeout=60)
+            assert r.status_code == 400 and "batch_size" in r.text and says in r.text, r.text
 
 
 def test_cancelling_one_job_of_a_running_batch_drops_only_that_sample(batch_server, names):

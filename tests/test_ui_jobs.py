@@ -16,7 +16,7 @@ from PIL import Image
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from ui_fixtures import app, lora_files  # noqa: F401  (fixtures)
-from ui_browser import (FINISHED, add_to_stack, all_jobs, browser, expect, fill, generate, needs_chromium,  # noqa: F401
+from ui_browser import (FINISHED, add_to_stack, all_jobs, browser, choose, expect, fill, generate, needs_chromium,  # noqa: F401
                         open_page, page, reload, shot, wait_for)
 
 PRESET = "qwen-image-2512-lightning-4step"
@@ -229,6 +229,40 @@ def test_adapter_list_follows_the_library(page, app, lora_files):  # noqa: F811
     expect(name0).to_be_hidden()
 
 
+def test_two_clicks_on_the_stack_in_one_instant_are_both_applied(page, app, lora_files):  # noqa: F811
+    """#26: two quick clicks on the stack's rows lost one (the handlers ran unqueued, both read the stack
+    before either wrote it, and the last writer won). Both clicks are sent in one JavaScript task here, so
+    neither answer has come back when the second goes: each must apply to the adapter its row showed."""
+    names = ["fast-a", "fast-b", "fast-c"]
+    for name, file in zip(names, ("style", "other", "style")):
+        app.add_adapter(lora_files[file], name)
+    reload(page)
+    for k, name in enumerate(names):
+        choose(page, "adapter-pick", name)
+        page.locator("#adapter-add").click()
+        expect(page.locator(f"#stack-name-{k} textarea, #stack-name-{k} input").first).to_have_value(name)
+    fill(page, "stack-scale-0", 0.5)  # fast-a's weight travels with it
+    wait_for("fast-a's weight box to read 0.5",
+             lambda: page.locator("#stack-scale-0 input[type=number]").input_value() == "0.5", timeout=30)
+
+    page.evaluate("() => ['stack-down-0', 'stack-remove-2'].forEach(id => document.getElementById(id).click())")
+    expect(page.locator("#stack-row-2:visible")).to_have_count(0)
+    for k, name in enumerate(["fast-b", "fast-a"]):
+        expect(page.locator(f"#stack-name-{k} textarea, #stack-name-{k} input").first).to_have_value(name)
+    fill(page, "prompt", "two clicks at once")
+    fill(page, "field-num_inference_steps", 1)
+    done = generate(page, app)
+    assert done["status"] == "succeeded", done
+    assert [(a["name"], a["scale"]) for a in done["adapters"]] == [("fast-b", 1.0), ("fast-a", 0.5)], done["adapters"]
+
+    # the stack emptied the same way, both rows at once
+    page.evaluate("() => ['stack-remove-1', 'stack-remove-0'].forEach(id => document.getElementById(id).click())")
+    expect(page.locator(".ls-stack-row:visible")).to_have_count(0)
+    fill(page, "prompt", "the stack emptied at once")
+    done = generate(page, app)
+    assert done["status"] == "succeeded" and done["adapters"] == [], done
+
+
 def test_pin_is_reported_at_once(page, app, lora_files):  # noqa: F811
     app.add_adapter(lora_files["style"], "pin-me")
     page.get_by_role("tab", name="Adapters").click()
@@ -247,6 +281,41 @@ def test_pin_is_reported_at_once(page, app, lora_files):  # noqa: F811
     page.locator("#adapters-unpin").click()
     expect(page.locator("#adapters-status")).to_contain_text("unpinned pin-me")
     wait_for("/v1/loras to report the unpin", lambda: not pinned(), timeout=15)
+
+
+def test_the_adapters_tab_saves_a_copy_in_the_kohya_layout(page, app, lora_files):  # noqa: F811
+    """#28 item 5 on the Adapters tab: the chosen adapter written again in kohya's layout (sd-scripts' names,
+    for ComfyUI and A1111), into the library; it draws what the original draws (to one level)."""
+    import base64
+
+    import numpy as np
+    from safetensors import safe_open
+
+    app.add_adapter(lora_files["style"], "to-kohya")
+    page.get_by_role("tab", name="Adapters").click()
+    page.locator("#adapters-refresh").click()
+    page.locator("#adapters-selected input").click()
+    page.get_by_role("option", name="to-kohya").first.click()
+    fill(page, "adapters-copy-name", "to-kohya-k")
+    page.locator("#adapters-copy").click()
+    expect(page.locator("#adapters-status")).to_contain_text("saved to-kohya as to-kohya-k in the kohya layout")
+    copy = app.data_dir / "adapters" / "to-kohya-k.safetensors"
+    with safe_open(str(copy), "pt") as f:
+        assert f.keys() and all(k.startswith("lora_unet_") for k in f.keys()), list(f.keys())[:3]
+
+    def picture(name):
+        r = httpx.post(app.url + "v1/images/generations", timeout=300, json={
+            "prompt": "a copy", "size": "64x64", "seed": 5, "num_inference_steps": 2, "response_format": "b64_json",
+            "lora": {"name": name}})
+        assert r.status_code == 200, r.text
+        png = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
+        return np.asarray(png.convert("RGB"), dtype=np.int16)
+
+    assert np.abs(picture("to-kohya-k") - picture("to-kohya")).max() <= 1
+    fill(page, "adapters-copy-name", "to-kohya-k")  # a taken name: refused, the file kept
+    page.locator("#adapters-copy").click()
+    expect(page.locator("#adapters-status")).to_contain_text("already exists")
+    copy.unlink()
 
 
 @pytest.mark.parametrize("typed", ["3", "-2.5", "5", "-7.5"])

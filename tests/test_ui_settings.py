@@ -10,7 +10,7 @@ import httpx
 from PIL import Image
 
 from ui_browser import browser, expect, fill, generate, needs_chromium, open_page, shot  # noqa: F401
-from ui_fixtures import app, app_home, served_app  # noqa: F401  (fixtures)
+from ui_fixtures import app, app_home, served_app, wait_until  # noqa: F401  (fixtures)
 
 pytestmark = needs_chromium
 
@@ -82,3 +82,49 @@ def test_serve_with_no_model_loads_the_saved_default_model(data_dir, demo_path, 
         models = httpx.get(served.url + "/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models if m["loaded"]] == ["demo:sd3.5"], models
         assert "serving demo:sd3.5: the default model in the settings" in served.log.read_text()
+
+
+def test_live_previews_off_means_none_are_made(app):  # noqa: F811
+    """#26: the Settings tab's "live previews" switch only hid them in the page; the worker went on making
+    one about every second. Off, a running job has none (the HTTP preview route answers 204 throughout); on
+    (the default), one comes within a few steps."""
+    import threading
+    import time
+
+    prefs_file = app.data_dir / "preferences.json"
+
+    def run_one(prompt: str, until) -> int:
+        """A 40-step job let on a step at a time until ``until(job_id, elapsed)``; returns the preview's
+        status code then (the job is cancelled after)."""
+        before = {j["id"] for j in app.get("v1/jobs?limit=1000")["data"]}
+        with app.gate.held(1):
+            body = {"prompt": prompt, "size": "64x64", "num_inference_steps": 40, "seed": 3}
+            post = threading.Thread(target=lambda: httpx.post(app.url + "v1/images/generations", json=body,
+                                                              timeout=300), daemon=True)
+            post.start()
+            job_id = wait_until(lambda: next((j["id"] for j in app.get("v1/jobs?limit=1000")["data"]
+                                              if j["id"] not in before), None), 60, "the job queued")
+            started = time.monotonic()
+            app.gate.step_until(lambda: until(job_id, time.monotonic() - started), f"{prompt}: its steps")
+            code = httpx.get(app.url + f"v1/jobs/{job_id}/preview", timeout=30).status_code
+            httpx.delete(app.url + f"v1/jobs/{job_id}", timeout=30)
+        post.join(120)
+        return code
+
+    def step_of(job_id) -> int:
+        return app.get(f"v1/jobs/{job_id}")["progress"]["step"]
+
+    prefs_file.write_text(json.dumps({"live_previews": False}))
+    try:
+        seen = []
+
+        def four_seconds_on(job_id, elapsed):  # every step's preview asked for on the way: none ever made
+            seen.append(httpx.get(app.url + f"v1/jobs/{job_id}/preview", timeout=30).status_code)
+            return elapsed > 4 and step_of(job_id) >= 6
+
+        assert run_one("previews off", four_seconds_on) == 204
+        assert set(seen) == {204}, seen
+    finally:
+        prefs_file.unlink()
+    assert run_one("previews on", lambda job_id, elapsed: httpx.get(
+        app.url + f"v1/jobs/{job_id}/preview", timeout=30).status_code == 200) == 200

@@ -36,6 +36,14 @@ def build(studio):
                 pin = gr.Button("Pin", elem_id="adapters-pin")
                 unpin = gr.Button("Unpin", elem_id="adapters-unpin")
                 delete = gr.Button("Delete", variant="stop", elem_id="adapters-delete")
+            with gr.Row(equal_height=True):
+                copy_name = gr.Textbox(label="Save a copy as", max_lines=1, scale=3, elem_id="adapters-copy-name",
+                                       placeholder="a name for the copy",
+                                       info="the chosen adapter at weight 1, in the layout picked: kohya for "
+                                            "ComfyUI and A1111, diffusers for diffusers and peft")
+                copy_layout = gr.Dropdown(label="layout", scale=1, min_width=120, elem_id="adapters-copy-layout",
+                                          choices=[("kohya", "kohya"), ("diffusers", "diffusers")], value="kohya")
+                copy = gr.Button("Save copy", scale=1, elem_id="adapters-copy")
             detail = gr.JSON(label="Detail: config, safetensors metadata, fit report", elem_id="adapters-detail")
         with gr.Column(scale=1):
             gr.Markdown("**Import**: a `.safetensors` LoRA (diffusers, kohya, ComfyUI, lightx2v keys), or a PEFT "
@@ -97,6 +105,24 @@ def build(studio):
     for btn, verb in ((pin, "pin"), (unpin, "unpin"), (delete, "delete")):
         btn.click(act(verb), [selected, confirmed] if verb == "delete" else selected, outs,
                   api_visibility="private", js=CONFIRM_DELETE if verb == "delete" else None)
+
+    def save_copy(name, new_name, layout):
+        """The chosen adapter written again, alone at weight 1, in another layout (Studio.export_adapter):
+        a LoRA made for diffusers, as kohya names for ComfyUI or A1111, and back."""
+        if not name:
+            return [*listing(error_html("choose an adapter first")), gr.update()]
+        if not str(new_name or "").strip():
+            return [*listing(error_html("give the copy a name first")), gr.update()]
+        try:
+            done = studio.export_adapter([{"name": name, "scale": 1.0}], str(new_name).strip(), layout=layout)
+        except Exception as exc:  # a taken name, a layout that cannot hold it, a LyCORIS / DoRA adapter
+            return [*listing(error_html(f"could not save {name} as {str(new_name).strip()!r}: {readable(exc)}")),
+                    gr.update()]
+        how = "exact" if done.get("exact_in") else "to fp32 rounding"
+        return [*listing(ok_html(f"saved {name} as {done['adapter']['name']} in the {layout} layout "
+                                 f"({done['layers']} layers, {how})")), ""]
+
+    copy.click(save_copy, [selected, copy_name, copy_layout], [*outs, copy_name], api_visibility="private")
 
     def imp(paths, given):
         """Import, then clear the upload box (success or not) so the next upload starts fresh."""

@@ -10,6 +10,7 @@ import gradio as gr
 
 from . import views
 from .generate import GenerateTab
+from .stack import EDIT as STACK_EDIT
 from .views import error_html, ok_html, readable
 
 
@@ -149,8 +150,9 @@ def build(studio, gen: GenerateTab, tabs: gr.Tabs):
     restore = (lambda settings, model_id: gen.restore_updates(studio, settings, model_id))
     def restore_chain(event):
         event.success(to_model, [chosen, gen.model], [gen.model, tabs], api_visibility="private") \
-            .success(gen.switch, [gen.model, gen.stack], gen.switch_outputs, api_visibility="private") \
-            .success(restore, [chosen, gen.model], gen.restore_outputs(), api_visibility="private")
+            .success(gen.switch, [gen.model], gen.switch_outputs, api_visibility="private") \
+            .success(**gen.fit_after_switch) \
+            .success(restore, [chosen, gen.model], gen.restore_outputs(), **STACK_EDIT)
 
     restore_chain(use.click(lambda: None, None, None, api_visibility="private", queue=False))
     dropped = drop.upload(from_png, drop, [meta, chosen, status], api_visibility="private")

@@ -15,7 +15,7 @@ import gradio as gr
 from . import jobs_column, result_view, stack as lora_stack, views
 from .fields import WIDGETS, FieldWidget
 from .follow import follow
-from .jobs_column import MAX_BATCH, POLL_S
+from .jobs_column import MAX_BATCH, MAX_BATCH_SIZE, POLL_S
 from .server_state import (NO_PRESET, field_updates, locked_reasons, model_choices, models_by_id,
                            preset_contract, unknown_model_message)
 from .stack import MAX_LORAS, StackRow, render_stack, stack_from_payload, weight_box
@@ -54,11 +54,14 @@ class GenerateTab:
     badge: gr.HTML = None
     status: gr.HTML = None  # one-line notes: queued, errors, model switches
     jobs: gr.HTML = None  # the jobs this page follows, with their progress
-    batch: gr.Number = None
+    batch: gr.Number = None  # batch count: batches per click
+    batch_size: gr.Number = None  # images per batch: one job each, allowed to share one pipeline call
     watch: gr.State = None
     seen: gr.State = None
     timer: gr.Timer = None
     add_adapter: object = None  # (name, stack, model_id) -> [stack, *row updates, note]: the stack's Add
+    fit_after_switch: dict = None  # the event (fn, inputs, outputs, queue) that follows every model switch
+    library_seen: gr.Textbox = None  # the library's signature as the poll last saw it: its change prunes the stack
     job_id: gr.Textbox = None
     image: gr.Image = None
     video: gr.Video = None
@@ -187,8 +190,8 @@ def build(studio) -> GenerateTab:
                         with gr.Row(equal_height=True):
                             name = gr.Textbox(show_label=False, interactive=False, container=False, scale=4,
                                               min_width=120, elem_id=f"stack-name-{i}")
-                            up = gr.Button("↑", min_width=36, scale=0, size="sm")
-                            down = gr.Button("↓", min_width=36, scale=0, size="sm")
+                            up = gr.Button("↑", min_width=36, scale=0, size="sm", elem_id=f"stack-up-{i}")
+                            down = gr.Button("↓", min_width=36, scale=0, size="sm", elem_id=f"stack-down-{i}")
                             remove = gr.Button("✕", min_width=36, scale=0, size="sm", elem_id=f"stack-remove-{i}")
                         with gr.Row():
                             scale = weight_box("weight", elem_id=f"stack-scale-{i}", scale=3)
@@ -204,6 +207,9 @@ def build(studio) -> GenerateTab:
                     export_name = gr.Textbox(label="Save the stack as one LoRA", max_lines=1, scale=3,
                                              placeholder="a name for the new adapter", elem_id="stack-export-name",
                                              info="exact: the new file at weight 1 is this stack at these weights")
+                    export_layout = gr.Dropdown(label="layout", scale=1, min_width=120, elem_id="stack-export-layout",
+                                                choices=[("diffusers (exact)", "diffusers"),
+                                                         ("kohya (ComfyUI, A1111)", "kohya")], value="diffusers")
                     export = gr.Button("Save as one LoRA", scale=1, elem_id="stack-export")
                 with gr.Row(equal_height=True):
                     bake_name = gr.Textbox(label="Bake the stack into a copy of the model", max_lines=1, scale=3,
@@ -225,7 +231,10 @@ def build(studio) -> GenerateTab:
             with gr.Row():
                 go = gr.Button("Generate", variant="primary", elem_id="generate-btn", scale=3)
                 t.batch = gr.Number(label="Batch count", value=1, precision=0, elem_id="batch-count", scale=1,
-                                    min_width=90, info=f"jobs per click (1 to {MAX_BATCH}), seeds +1")
+                                    min_width=90, info=f"batches per click (1 to {MAX_BATCH}), seeds +1")
+                t.batch_size = gr.Number(label="Batch size", value=1, precision=0, elem_id="batch-size", scale=1,
+                                         min_width=90, info=f"images per batch (1 to {MAX_BATCH_SIZE}), run as one "
+                                                            "call where the server measures that faster")
                 stop = gr.Button("Cancel", variant="stop", elem_id="cancel-btn", scale=1)
             t.status = gr.HTML(elem_id="gen-note")
             t.jobs = gr.HTML(elem_id="gen-status")
@@ -233,6 +242,7 @@ def build(studio) -> GenerateTab:
             t.seen = gr.State({})
             t.timer = gr.Timer(POLL_S)
             t.job_id = gr.Textbox(visible="hidden", elem_id="gen-job-id")
+            t.library_seen = gr.Textbox(visible="hidden", elem_id="gen-library-seen")
             cancel_one = gr.Textbox(visible="hidden", elem_id="gen-cancel-one")  # a job line's ✕ (blocks.PAGE_JS)
             t.image = gr.Image(label="Result", type="filepath", interactive=False, elem_id="result-image",
                                format="png")
@@ -248,9 +258,9 @@ def build(studio) -> GenerateTab:
                 to_i2v = gr.Button("Send to image-to-video", size="sm", elem_id="send-i2v")
             t.pending_image = gr.State(None)
 
+    lora_stack.wire(studio, t, add)  # first: the model switch's events end with its t.fit_after_switch
     _wire(studio, t, refresh, dice, apply_btn)
-    lora_stack.wire(studio, t, add)
-    lora_stack.wire_export(studio, t, export, export_name)
+    lora_stack.wire_export(studio, t, export, export_name, export_layout)
     lora_stack.wire_bake(studio, t, bake, bake_name)
     jobs_column.wire(studio, t, go, stop, cancel_one)
     result_view.wire_send(studio, t, reuse, to_i2v)
@@ -272,54 +282,47 @@ def _wire(studio, t: GenerateTab, refresh, dice, apply_btn) -> None:
     model_outputs = [t.model, t.mode, t.status, *t.field_outputs()]
     refresh.click(load_models, None, model_outputs, api_visibility="private")
 
-    def switch(model_id, stack, progress=gr.Progress()):
-        """Load the chosen model through the queue, with progress, then show its fields."""
+    def switch(model_id, progress=gr.Progress()):
+        """Load the chosen model through the queue, with progress, then show its fields. The stack is left to
+        the step after it (``t.fit_after_switch``, queued with the stack's other edits): this one runs for the
+        whole load, and an edit made meanwhile would be overwritten by the stack it read at the start."""
         models = models_by_id(studio)
         m = models.get(model_id)
+        keep_lists = [gr.update()] * 2
         if m is None:
             yield [gr.update()] * 2 + [error_html(unknown_model_message(model_id, models))] + \
-                [gr.update()] * len(WIDGETS) + [gr.update()] * 2 + [stack, *render_stack(stack, False)]
+                [gr.update()] * len(WIDGETS) + keep_lists
             return
         fused_before = studio.current_preset()
         if not m.loaded:
             try:
                 job = studio.switch_model(model_id)
             except Exception as exc:
-                yield [gr.update(), gr.update(), error_html(readable(exc))] + [gr.update()] * len(WIDGETS) + \
-                    [gr.update()] * 2 + [stack, *render_stack(stack, m.two_stage)]
+                yield [gr.update(), gr.update(), error_html(readable(exc))] + [gr.update()] * len(WIDGETS) + keep_lists
                 return
             for (job,) in follow(studio.studio, [job["id"]]):  # the server's own job (a switch is no one's)
                 progress(views.job_fraction(job), desc=f"loading {model_id}")
-                yield [gr.update(), gr.update(), views.progress_html(job)] + [gr.update()] * len(WIDGETS) + \
-                    [gr.update()] * 2 + [stack, *render_stack(stack, m.two_stage)]
+                yield [gr.update(), gr.update(), views.progress_html(job)] + [gr.update()] * len(WIDGETS) + keep_lists
             if job.get("status") != "succeeded":
                 yield [gr.update(), gr.update(), error_html(f"could not load {model_id}: {job.get('error')}")] + \
-                    [gr.update()] * len(WIDGETS) + [gr.update()] * 2 + [stack, *render_stack(stack, m.two_stage)]
+                    [gr.update()] * len(WIDGETS) + keep_lists
                 return
             m = models_by_id(studio).get(model_id, m)
-        # adapters that fit the old model may not fit this one: keep only those that still do
         try:
             choices, unfit = views.adapter_choices(studio.adapters())
         except Exception as exc:
             choices, unfit = [], error_html(readable(exc))
-        fits = {value for _, value in choices}
-        kept = [e for e in stack if e["name"] in fits]
-        dropped = [e["name"] for e in stack if e["name"] not in fits]
         note = f"{model_id} loaded"
         fused_now = studio.current_preset()
         if fused_before and fused_now != fused_before:
             note += f"; preset {fused_before} is no longer fused (a model switch restores the base weights)"
-        if dropped:
-            note += f"; removed adapters that do not fit it: {', '.join(dropped)}"
-        note = ok_html(note)
-        yield [gr.update(choices=model_choices(studio), value=model_id), views.mode_markdown(m), note] + \
+        yield [gr.update(choices=model_choices(studio), value=model_id), views.mode_markdown(m), ok_html(note)] + \
             field_updates(m, locked=locked_reasons(fused_now, preset_contract(studio, fused_now)[1])) + \
-            [gr.update(choices=choices, value=choices[0][1] if choices else None), unfit] + \
-            [kept, *render_stack(kept, m.two_stage)]
+            [gr.update(choices=choices, value=choices[0][1] if choices else None), unfit]
 
-    switch_outputs = [t.model, t.mode, t.status, *t.field_outputs(), t.pick, t.unfit, t.stack, *t.row_outputs()]
-    t.model.input(switch, [t.model, t.stack], switch_outputs, api_visibility="private",
-                  concurrency_limit=None)
+    switch_outputs = [t.model, t.mode, t.status, *t.field_outputs(), t.pick, t.unfit]
+    t.model.input(switch, [t.model], switch_outputs, api_visibility="private", concurrency_limit=None) \
+        .then(**t.fit_after_switch)
 
     dice.click(lambda: random.randrange(2**31), None, t.seed, api_visibility="private", queue=False)
 

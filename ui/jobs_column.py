@@ -10,15 +10,17 @@ import random
 
 import gradio as gr
 
+from backend.service import MAX_BATCH_SIZE
+
 from . import views
 from .fields import WIDGETS, form_values
 from .result_view import result_updates
 from .server_state import (adapter_pick_updates, badge_html, field_updates, locked_reasons, model_choices,
-                           models_by_id, preset_choices, preset_contract, two_stage_of, NO_PRESET)
-from .stack import adapter_payload, render_stack, stack_as_shown, stack_weights
+                           models_by_id, preset_choices, preset_contract, NO_PRESET)
+from .stack import adapter_payload, stack_as_shown, stack_weights
 from .views import ModelInfo, error_html, ok_html, readable
 
-MAX_BATCH = 16
+MAX_BATCH = 16  # batch count
 POLL_S = 0.5  # how often an open page asks the server about its jobs, preset, model and library
 MAX_WATCH = 32  # finished jobs a page keeps listing (the newest)
 
@@ -61,16 +63,19 @@ def wire(studio, t, go, stop, cancel_one) -> None:
     """Generate (queue the jobs), Cancel (every job the page follows), a job line's ✕, and the poll."""
     followed = Followed()
 
-    def submit(request: gr.Request, model_id, prompt, seed, batch, stack, watch, *values):
+    def submit(request: gr.Request, model_id, prompt, seed, batch, size, stack, watch, *values):
+        """Queue batch count x batch size jobs (one image each, seeds +1), all or none; a batch's jobs carry
+        ``batch_size`` so the server may run them as one pipeline call (backend/batch.py)."""
         values, weights = values[:len(WIDGETS)], values[len(WIDGETS):]
         stack = stack_as_shown(stack, weights)
         m = models_by_id(studio).get(model_id)
         if m is None:
             return [error_html(f"pick a model first (got {model_id!r})"), gr.update(), gr.update()]
-        if batch is None or not 1 <= batch <= MAX_BATCH:
-            return [error_html(f"Batch count must be 1 to {MAX_BATCH}, got {'nothing' if batch is None else batch}"),
-                    gr.update(), gr.update()]
-        n = int(batch)
+        for label, value, top in (("Batch count", batch, MAX_BATCH), ("Batch size", size, MAX_BATCH_SIZE)):
+            if value is None or not 1 <= value <= top:
+                return [error_html(f"{label} must be 1 to {top}, got {'nothing' if value is None else value}"),
+                        gr.update(), gr.update()]
+        n = int(batch) * int(size)
         try:
             stack_weights(stack, m.two_stage)
         except ValueError as exc:
@@ -78,6 +83,8 @@ def wire(studio, t, go, stop, cancel_one) -> None:
         seed = -1 if seed is None else int(seed)
         base_seed = random.randrange(2**31) if seed == -1 else seed  # -1: random, then +1 per job
         params = {"prompt": prompt, **form_values(m.fields, values)}
+        if int(size) > 1:
+            params["batch_size"] = int(size)
         try:
             payload = adapter_payload(stack, m.two_stage)
         except Exception as exc:  # a bad "weight over steps": refused by name, nothing queued
@@ -103,7 +110,7 @@ def wire(studio, t, go, stop, cancel_one) -> None:
         return [note, watch, str(queued[-1]["id"])]
 
     weights = t.weight_inputs()
-    go.click(submit, [t.model, t.prompt, t.seed, t.batch, t.stack, t.watch, *t.field_outputs(), *weights],
+    go.click(submit, [t.model, t.prompt, t.seed, t.batch, t.batch_size, t.stack, t.watch, *t.field_outputs(), *weights],
              [t.status, t.watch, t.job_id], api_visibility="private", queue=False, trigger_mode="multiple",
              show_progress="hidden")
 
@@ -125,7 +132,7 @@ def wire(studio, t, go, stop, cancel_one) -> None:
 
     stop.click(cancel_jobs, t.watch, t.status, api_visibility="private", queue=False)
 
-    def poll(request: gr.Request, watch, seen, model_id, stack, note):
+    def poll(request: gr.Request, watch, seen, model_id, note):
         """The page's view of the server: its jobs, fused preset, loaded model and adapter library.
         Each part is sent only when it changed (gr.update() otherwise). A "queued ... position 1" note
         leaves once the jobs it names have ended (their lines in the job list say how)."""
@@ -211,27 +218,18 @@ def wire(studio, t, go, stop, cancel_one) -> None:
             # signature was taken, and an adapter added in between would never be offered
             seen["library"] = sig
             pick, unfit = adapter_pick_updates(studio)
-            try:
-                names = {a["name"] for a in studio.adapters() if views.fit_of(a)[0]}
-            except Exception:
-                names = {e["name"] for e in stack or []}
-            kept = [e for e in stack or [] if e["name"] in names]
-            out["library"] = [pick, unfit]
-            if len(kept) != len(stack or []):
-                gone = [e["name"] for e in stack if e["name"] not in names]
-                out["stack"] = [kept, *render_stack(kept, two_stage_of(studio, model_id))]
-                out["note"] = error_html(f"removed from the stack (no longer in the library): {', '.join(gone)}")
+            out["library"] = [pick, unfit, str(sig)]  # the last: its change takes gone adapters off the stack
         keep = gr.update()
         return ([out.get("jobs", keep), *out.get("result", [keep] * 4), out.get("grid", keep), watch, seen,
                  out.get("badge", keep),
                  out.get("preset", keep), *out.get("model", [keep, keep]),
-                 *out.get("fields", [keep] * len(WIDGETS)), *out.get("library", [keep, keep]),
-                 *out.get("stack", [keep] * (1 + len(t.row_outputs()))), out.get("note", keep)])
+                 *out.get("fields", [keep] * len(WIDGETS)), *out.get("library", [keep, keep, keep]),
+                 out.get("note", keep)])
 
     poll_outputs = [t.jobs, t.image, t.video, t.metadata, t.infotext, t.grid, t.watch, t.seen, t.badge, t.preset,
                     t.model, t.mode,
-                    *t.field_outputs(), t.pick, t.unfit, t.stack, *t.row_outputs(), t.status]
-    t.timer.tick(poll, [t.watch, t.seen, t.model, t.stack, t.status], poll_outputs, api_visibility="private",
+                    *t.field_outputs(), t.pick, t.unfit, t.library_seen, t.status]
+    t.timer.tick(poll, [t.watch, t.seen, t.model, t.status], poll_outputs, api_visibility="private",
                  queue=False, show_progress="hidden")
     _wire_cancel_one(studio, t, cancel_one)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gradio as gr
 
 from . import views
+from .stack import EDIT as STACK_EDIT
 from .views import error_html, ok_html, readable
 
 POLL_S = 2.0  # how often an open browser asks whether the library changed (a cheap signature)
@@ -126,8 +127,7 @@ def build(studio, gen) -> None:
             out[-1] = ok_html(f"added {name} to the LoRA stack")
         return out
 
-    action.change(add, [action, gen.stack, gen.model], [gen.stack, *gen.row_outputs(), gen.status],
-                  api_visibility="private", queue=False)
+    action.change(add, [action, gen.stack, gen.model], [gen.stack, *gen.row_outputs(), gen.status], **STACK_EDIT)
 
     def preview(request: gr.Request, value):
         name = str(value or "").split("\n", 1)[0]

@@ -73,6 +73,7 @@ def wire_send(studio, t, reuse, to_i2v) -> None:
             f"sent {Path(path).name} to {model_id} as its input image (image)")
 
     to_i2v.click(pick, [t.watch, t.model], [t.model, t.pending_image], api_visibility="private", queue=False) \
-        .success(t.switch, [t.model, t.stack], t.switch_outputs, api_visibility="private", concurrency_limit=None) \
+        .success(t.switch, [t.model], t.switch_outputs, api_visibility="private", concurrency_limit=None) \
+        .success(**t.fit_after_switch) \
         .success(fill, [t.pending_image, t.model, t.status], [t.widgets["image"], t.status],
                  api_visibility="private")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from .server_state import model_choices, two_stage_of
-from .views import error_html, ok_html, readable
+from .views import error_html, fit_of, ok_html, readable
 
 MAX_LORAS = 6
 
@@ -147,60 +147,116 @@ def preferred_weight(studio, name: str) -> float:
     return 1.0 if weight is None else float(weight)
 
 
+#: what every event that writes the stack runs with: queued one at a time (``concurrency_limit`` 1 across the
+#: server; each handler takes about a millisecond). Gradio reads a ``gr.State`` input when the event runs, not when
+#: the browser sent it, so each handler sees what the one before it wrote: two fast clicks on two rows' buttons,
+#: or a weight typed while a model loads, are both kept (unqueued, both handlers read the same stack and the
+#: last writer won). The rows' events name their row's adapter, not its index: a click means the adapter the row
+#: showed, even when an earlier click's re-render has not reached the page yet.
+EDIT = {"api_visibility": "private", "concurrency_id": "lora-stack", "concurrency_limit": 1,
+        "show_progress": "hidden"}
+
+
+def _index(stack: list[dict], name) -> int | None:
+    return next((k for k, e in enumerate(stack or []) if e["name"] == name), None)
+
+
+def prune(studio, stack: list[dict], model_id) -> tuple[list[dict], str]:
+    """The stack less the adapters the library no longer has or that do not fit the loaded model, and a
+    note naming them ("" when none went). The library unreadable now: the stack as it is."""
+    try:
+        adapters = studio.adapters()
+    except Exception:  # noqa: BLE001 - said by the poll's own library line; keep what the user built
+        return list(stack or []), ""
+    known = {a["name"] for a in adapters}
+    fits = {a["name"] for a in adapters if fit_of(a)[0]}
+    kept = [e for e in stack or [] if e["name"] in fits]
+    gone = [e["name"] for e in stack or [] if e["name"] not in known]
+    unfit = [e["name"] for e in stack or [] if e["name"] in known and e["name"] not in fits]
+    notes = []
+    if gone:
+        notes.append(f"removed from the stack (no longer in the library): {', '.join(gone)}")
+    if unfit:
+        notes.append(f"removed from the stack (they do not fit {model_id}): {', '.join(unfit)}")
+    return kept, "; ".join(notes)
+
+
 def wire(studio, t, add) -> None:
-    """The stack's events: Add (``t.add_adapter``, reused by the LoRA browser), each row's weights,
-    per-transformer toggle, up, down and remove."""
+    """The stack's events, all queued one at a time (``EDIT``): Add (``t.add_adapter``, reused by the LoRA
+    browser), each row's weights, per-transformer toggle, up, down and remove; after a model switch
+    (``t.fit_after_switch``) and when the library changes (``t.library_seen``), the adapters that no longer
+    fit leave it."""
+    def rendered(stack, model_id) -> list:
+        return [stack, *render_stack(stack, two_stage_of(studio, model_id))]
+
     def add_adapter(name, stack, model_id):
         if not name:
-            return [stack, *render_stack(stack, two_stage_of(studio, model_id)),
+            return [*rendered(stack, model_id),
                     error_html("pick an adapter first (the library has none that fit this model?)")]
         if len(stack) >= MAX_LORAS:
-            return [stack, *render_stack(stack, two_stage_of(studio, model_id)),
-                    error_html(f"the stack holds at most {MAX_LORAS} adapters")]
-        if any(e["name"] == name for e in stack):
-            return [stack, *render_stack(stack, two_stage_of(studio, model_id)), error_html(f"{name} is already in the stack")]
+            return [*rendered(stack, model_id), error_html(f"the stack holds at most {MAX_LORAS} adapters")]
+        if _index(stack, name) is not None:
+            return [*rendered(stack, model_id), error_html(f"{name} is already in the stack")]
         weight = preferred_weight(studio, name)
         stack = stack + [{"name": name, "scale": weight, "split": False, "high": weight, "low": weight}]
-        return [stack, *render_stack(stack, two_stage_of(studio, model_id)), ""]
+        return [*rendered(stack, model_id), ""]
 
     t.add_adapter = add_adapter
-    add.click(add_adapter, [t.pick, t.stack, t.model], [t.stack, *t.row_outputs(), t.status],
-              api_visibility="private", queue=False)
+    add.click(add_adapter, [t.pick, t.stack, t.model], [t.stack, *t.row_outputs(), t.status], **EDIT)
 
-    for i, r in enumerate(t.rows):
-        def setter(key, i=i):
-            def set_value(value, stack):
-                if i < len(stack):
-                    stack = [dict(e) for e in stack]
-                    stack[i][key] = value
-                    if key == "scale":  # the split boxes start from the shared weight
-                        stack[i]["high"] = stack[i]["low"] = value
+    def setter(key):
+        def set_value(name, value, stack):
+            k = _index(stack, name)
+            if k is None:  # a row being emptied by a re-render: its adapter has gone
                 return stack
-            return set_value
-        for key, comp in (("scale", r.scale), ("high", r.high), ("low", r.low), ("schedule", r.schedule)):
-            comp.change(setter(key), [comp, t.stack], t.stack, api_visibility="private", queue=False)
-
-        def toggle(split, stack, model_id, i=i):
             stack = [dict(e) for e in stack]
-            if i < len(stack):
-                stack[i]["split"] = bool(split)
-            return [stack, *render_stack(stack, two_stage_of(studio, model_id))]
+            stack[k][key] = value
+            if key == "scale" and not stack[k].get("split"):  # the split boxes start from the shared weight
+                stack[k]["high"] = stack[k]["low"] = value
+            return stack
+        return set_value
 
-        r.split.input(toggle, [r.split, t.stack, t.model], [t.stack, *t.row_outputs()],
-                      api_visibility="private", queue=False)
+    def toggle(name, split, stack, model_id):
+        k = _index(stack, name)
+        stack = [dict(e) for e in stack]
+        if k is not None:
+            stack[k]["split"] = bool(split)
+        return rendered(stack, model_id)
 
-        def move(stack, model_id, i=i, delta=0):
-            stack = list(stack)
-            j = i + delta
-            if delta == 0:
-                stack = stack[:i] + stack[i + 1:]
-            elif 0 <= j < len(stack) and i < len(stack):
-                stack[i], stack[j] = stack[j], stack[i]
-            return [stack, *render_stack(stack, two_stage_of(studio, model_id))]
+    def move(name, stack, model_id, delta):
+        k = _index(stack, name)
+        stack = list(stack)
+        if k is None:
+            return rendered(stack, model_id)
+        if delta == 0:
+            del stack[k]
+        elif 0 <= k + delta < len(stack):
+            stack[k], stack[k + delta] = stack[k + delta], stack[k]
+        return rendered(stack, model_id)
 
+    for r in t.rows:
+        for key, comp in (("scale", r.scale), ("high", r.high), ("low", r.low), ("schedule", r.schedule)):
+            comp.change(setter(key), [r.name, comp, t.stack], t.stack, **EDIT)
+        r.split.input(toggle, [r.name, r.split, t.stack, t.model], [t.stack, *t.row_outputs()], **EDIT)
         for btn, delta in ((r.remove, 0), (r.up, -1), (r.down, 1)):
-            btn.click(lambda stack, model_id, i=i, delta=delta: move(stack, model_id, i, delta),
-                      [t.stack, t.model], [t.stack, *t.row_outputs()], api_visibility="private", queue=False)
+            btn.click(lambda name, stack, model_id, delta=delta: move(name, stack, model_id, delta),
+                      [r.name, t.stack, t.model], [t.stack, *t.row_outputs()], **EDIT)
+
+    def after_switch(model_id, stack, note):
+        """After a model switch: the rows for the new model (per-transformer boxes or not), less what does
+        not fit it, said after the switch's own note."""
+        kept, said = prune(studio, stack, model_id)
+        return [*rendered(kept, model_id), (note or "") + (error_html(said) if said else "")]
+
+    def library_changed(model_id, stack):
+        kept, said = prune(studio, stack, model_id)
+        if not said:
+            return [gr.update()] * (2 + len(t.row_outputs()))
+        return [*rendered(kept, model_id), error_html(said)]
+
+    t.fit_after_switch = {"fn": after_switch, "inputs": [t.model, t.stack, t.status],
+                          "outputs": [t.stack, *t.row_outputs(), t.status], **EDIT}
+    t.library_seen.change(library_changed, [t.model, t.stack], [t.stack, *t.row_outputs(), t.status], **EDIT)
 
 
 def wire_bake(studio, t, button, name_box) -> None:
@@ -225,21 +281,24 @@ def wire_bake(studio, t, button, name_box) -> None:
                  api_visibility="private")
 
 
-def wire_export(studio, t, button, name_box) -> None:
+def wire_export(studio, t, button, name_box, layout_box) -> None:
     """*Save as one LoRA*: the stack as shown (its typed weights) written as one adapter into the library
-    (Studio.export_adapter, backend/lora/export.py); it joins the picker with the next library poll."""
-    def export(name, stack, model_id, *weights):
+    (Studio.export_adapter, backend/lora/export.py) in the layout picked (diffusers: exact; kohya: sd-scripts'
+    names, to fp32 rounding); it joins the picker with the next library poll."""
+    def export(name, layout, stack, model_id, *weights):
         stack = stack_as_shown(stack, weights)
         if not stack:
             return error_html("the stack is empty: add the adapters to save as one first"), gr.update()
         if not str(name or "").strip():
             return error_html("give the new adapter a name first"), gr.update()
         try:
-            done = studio.export_adapter(adapter_payload(stack, two_stage_of(studio, model_id)), str(name).strip())
+            done = studio.export_adapter(adapter_payload(stack, two_stage_of(studio, model_id)), str(name).strip(),
+                                         layout=layout or "diffusers")
         except Exception as exc:  # noqa: BLE001 - a taken or bad name, a stack that cannot be one file
             return error_html(readable(exc)), gr.update()
+        how = "exact" if done.get("exact_in") else f"{done.get('layout', layout)} layout, to fp32 rounding"
         return ok_html(f"saved the stack ({', '.join(e['name'] for e in stack)}) as {done['adapter']['name']}: "
-                       f"{done['layers']} layers, rank {done['rank']}; it is in the adapter picker"), ""
+                       f"{done['layers']} layers, rank {done['rank']}, {how}; it is in the adapter picker"), ""
 
-    button.click(export, [name_box, t.stack, t.model, *t.weight_inputs()], [t.status, name_box],
+    button.click(export, [name_box, layout_box, t.stack, t.model, *t.weight_inputs()], [t.status, name_box],
                  api_visibility="private", queue=False)

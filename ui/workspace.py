@@ -19,6 +19,7 @@ import gradio as gr
 
 from . import views
 from .fields import WIDGETS
+from .stack import EDIT as STACK_EDIT
 
 STORAGE_KEY = "lora-studio-workspace"
 SECRET_FILE = "ui-browser-state.key"
@@ -151,7 +152,7 @@ def wire(studio, gen, tabs: gr.Tabs, tab_by_id: dict, loaded) -> gr.BrowserState
 
     loaded.then(restore, [saved, open_tab, gen.model],
                 [armed, gen.prompt, gen.seed, *gen.field_outputs(), gen.stack, *gen.row_outputs(), gen.status,
-                 tabs], api_visibility="private", show_progress="hidden") \
+                 tabs], **STACK_EDIT) \
         .then(None, None, None, js=RESTORED_JS, api_visibility="private")  # what a script (or test) waits on
     # what changes the workspace: the prompt, seed, model and fields; the stack's rows (a name is set when an
     # adapter is added, removed or moved; weights, split and "over steps" text as they are edited). The

@@ -269,7 +269,7 @@ def create_app(studio, api_key: str | list[str] | None = None, *, login: str | t
     def export_lora(body: ExportAdapterRequest):
         """A stack (the ``lora`` list, weights as in a generation request) as one LoRA file in the library,
         under ``name`` (a plain file name: nothing the client sends decides where else it is written)."""
-        return studio.export_adapter(body.adapters(), body.name, portable=body.portable)
+        return studio.export_adapter(body.adapters(), body.name, portable=body.portable, layout=body.layout)
 
     @v1.post("/models/bake")
     def bake_model(body: BakeModelRequest, request: Request):

@@ -7,7 +7,7 @@ on so the model's spec can name them in its 400.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -158,9 +158,11 @@ class _StackRequest(_Text):
 
 class ExportAdapterRequest(_StackRequest):
     """``POST /v1/loras/export``: a stack written as one LoRA into the library under ``name``; ``portable``:
-    every layer's weight folded into its factors (no per-layer alpha), for tools that read no header config."""
+    every layer's weight folded into its factors (no per-layer alpha), for tools that read no header config;
+    ``layout``: "diffusers" or "kohya" (sd-scripts' ``lora_unet_`` / ``lora_te*_`` names with ``.alpha``)."""
 
     portable: bool = False
+    layout: Literal["diffusers", "kohya"] = "diffusers"
 
 
 class BakeModelRequest(_StackRequest):

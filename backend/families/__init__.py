@@ -79,6 +79,10 @@ class LoraRouting:
     # the pipeline components a LoRA's text-encoder layers (kohya ``lora_te*_``, ``text_encoder*.``) may
     # change, where the checkpoint carries them; empty: such keys are refused by name
     text_encoders: tuple = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    # how kohya-layout files (sd-scripts, musubi-tuner) name the transformer's layers, per pipeline class:
+    # "diffusers" (its module paths, dots as ``_``: Qwen-Image), "wan" (Wan's original module names:
+    # musubi-tuner); a pipeline not listed has none that its readers take back (an export refuses it)
+    kohya_names: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

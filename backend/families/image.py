@@ -28,5 +28,7 @@ FAMILY = Family(
     denoisers=("transformer",),
     demo_models=("demo:qwen-image", "demo:sd3.5"),
     # distill: Qwen-Image-Lightning files; SD3.5 has no published distill LoRA in this app
-    lora=LoraRouting(distill={"transformer": {}}, distill_pipelines=frozenset({"QwenImagePipeline"})),
+    # kohya: SD3.5's sd-scripts names are MMDiT's own (joint_blocks, a fused qkv), which diffusers does not read
+    lora=LoraRouting(distill={"transformer": {}}, distill_pipelines=frozenset({"QwenImagePipeline"}),
+                     kohya_names={"QwenImagePipeline": "diffusers"}),
 )

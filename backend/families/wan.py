@@ -33,5 +33,5 @@ FAMILY = Family(
     denoisers=("transformer",),
     demo_models=("demo:wan2.1-t2v",),
     # distill: lightx2v Wan2.1 files; a Wan2.2 high/low-noise file is refused by name (distill/support.py)
-    lora=LoraRouting(distill={"transformer": {}}),
+    lora=LoraRouting(distill={"transformer": {}}, kohya_names={p.class_name: "wan" for p in PIPELINES}),
 )

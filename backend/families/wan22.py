@@ -19,5 +19,6 @@ FAMILY = Family(
         distill={"transformer": {}, "transformer_2": {"load_into_transformer_2": True}},
         # a LoRA's generic ``transformer.`` keys bind to both experts, each with its own scale (lora/fit.py)
         shared_prefix="transformer",
+        kohya_names={p.class_name: "wan" for p in PIPELINES},  # one file per expert (musubi-tuner)
     ),
 )

@@ -223,9 +223,11 @@ class Supervisor:
             self._cancel.set()
 
     def _batch_with(self, job: dict) -> list[dict]:
-        """--max-batch N: up to N-1 more queued jobs that may share one batched call with ``job``
-        (backend/batch.py: same model, preset and request but prompt, seed and adapters)."""
-        size = int(getattr(self.config, "max_batch", 1) or 1)
+        """--max-batch N (or the job's own ``batch_size``, the larger): up to N-1 more queued jobs that may
+        share one batched call with ``job`` (backend/batch.py: same model, preset and request but prompt, seed
+        and adapters; a ``batch_size`` is part of the request, so only jobs asking the same join it)."""
+        asked = (job.get("params") or {}).get("batch_size") or 1
+        size = max(int(getattr(self.config, "max_batch", 1) or 1), int(asked))
         if size < 2 or job["kind"] != "generate":
             return []
         from ..batch import compatible_key

@@ -273,9 +273,13 @@ class _Worker:
         return results
 
     def _previews(self, job_ids: list[str], skip=lambda job_id: False):
-        """Live previews of the running job(s) to the supervisor: ("preview", id, step, png)."""
+        """Live previews of the running job(s) to the supervisor: ("preview", id, step, png); none when the
+        Settings tab's "live previews" is off (read at the job's start: a stat while the file is unchanged)."""
+        from backend import preferences
         from backend.preview import sender
 
+        if not preferences.load(self.config.data_dir).live_previews:
+            return None
         return sender(lambda job_id, step, data: self.conn.send(("preview", job_id, step, data)), job_ids, skip)
 
     def _save(self, result):

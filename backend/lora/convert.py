@@ -373,6 +373,8 @@ _WAN_TOP_MODULES = {
     "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
     "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
 }
+_WAN_BLOCK_ORIGINALS = {v: k for k, v in _WAN_BLOCK_MODULES.items()}
+_WAN_TOP_ORIGINALS = {v: k for k, v in _WAN_TOP_MODULES.items()}
 # the CLIP image branch: Wan2.1 I2V has it, Wan2.2 A14B does not (lightx2v's Wan2.2 I2V files still
 # carry keys for it, which LightX2V's own loader skips there as naming no parameter)
 IMAGE_BRANCH = ("cross_attn.k_img", "cross_attn.v_img", "cross_attn.norm_k_img", "img_emb.")
@@ -396,6 +398,16 @@ def wan_module(original: str) -> str | None:
         mapped = _WAN_BLOCK_MODULES.get(rest)
         return f"blocks.{n}.{mapped}" if mapped else None
     return _WAN_TOP_MODULES.get(original)
+
+
+def wan_original(module: str) -> str | None:
+    """Wan's original module path for a diffusers one (``wan_module`` backwards): how musubi-tuner and
+    ComfyUI name it."""
+    if module.startswith("blocks."):
+        _, n, rest = module.split(".", 2)
+        original = _WAN_BLOCK_ORIGINALS.get(rest)
+        return f"blocks.{n}.{original}" if original else None
+    return _WAN_TOP_ORIGINALS.get(module)
 
 
 def classify_wan_key(key: str) -> KeyTarget:

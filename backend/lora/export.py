@@ -20,6 +20,14 @@ low-rank product), are refused by name. No model weights are read: the adapters 
 model's meta-device skeletons (``library.denoiser_skeletons``, ``encoder_skeletons``): a text-encoder layer
 is written ``text_encoder.<module>...`` as diffusers writes it.
 
+``layout="kohya"`` writes the same factors under sd-scripts' names, as ComfyUI, A1111/Forge and kohya's own
+tools read them: ``lora_unet_<module with dots as _>.lora_down.weight`` (A), ``.lora_up.weight`` (B) and
+``.alpha`` (``c x r``, so that ``alpha / r`` is the layer's scale); a text encoder as ``lora_te_`` (one encoder)
+or ``lora_te1_`` / ``lora_te2_`` / ``lora_te3_`` (SD3.5's CLIP-L, CLIP-G, T5). Readers fold ``alpha / r`` into
+the factors as they load (diffusers' converters do), so the file is the stack to fp32 rounding, not bit for bit.
+What that layout cannot hold is refused by name: a second denoiser (Wan2.2's ``transformer_2``: kohya files,
+musubi-tuner's too, hold one transformer each), a LoRA bias, a module whose ``_`` spelling is ambiguous.
+
 The file says where it came from: ``modelspec.title``, a ``modelspec.description`` listing the stack, and
 ``lora_studio.exported_from`` (each adapter's name, sha256 and weight) in its header.
 """
@@ -36,18 +44,25 @@ from ..errors import InvalidParameter
 from .convert import MERGE_ONLY
 
 
+LAYOUTS = ("diffusers", "kohya")
+
+
 def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title: str | None = None,
-                 dtype: torch.dtype = torch.float32, portable: bool = False) -> dict:
+                 dtype: torch.dtype = torch.float32, portable: bool = False, layout: str = "diffusers") -> dict:
     """Write ``resolved`` (``jobs.adapters.ResolvedAdapter`` list, in stack order) for ``model`` as one
     diffusers-layout LoRA at ``out``, exact for a model served in ``dtype``; returns {"path", "layers", "rank",
     "from", "exact_in"}. ``portable``: every layer's scale folded into its ``B`` (scale 1 everywhere, no
     per-layer alpha), for tools that read no ``lora_adapter_metadata`` (ComfyUI, A1111): the stack to fp32
-    rounding where one weight alone is on a layer (``exact_in`` None)."""
+    rounding where one weight alone is on a layer (``exact_in`` None). ``layout``: "diffusers" or "kohya"
+    (sd-scripts' names and ``.alpha``; to fp32 rounding, ``exact_in`` None)."""
     from safetensors.torch import save_file
+
+    if layout not in LAYOUTS:
+        raise InvalidParameter(f"layout {layout!r}: one of {', '.join(LAYOUTS)}", param="layout")
 
     from ..outputs import _atomic_write
 
-    chosen, sources, _ = canonical_stack(resolved, model, data_dir)
+    chosen, sources, encoders = canonical_stack(resolved, model, data_dir)
     layers: dict[tuple[str, str], list] = {}  # (component, module) -> [(A, B, bias, c)]
     for _, entry, weights in chosen:  # the engine's order (by identity): the rank concatenated as its merge does
         for comp, binding in entry.bindings.items():
@@ -61,11 +76,22 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
                      None if bias is None else bias.float(), c))
     if not layers:
         raise InvalidParameter("every adapter of the stack has weight 0 here: nothing to export", param="lora")
+    kohya = _kohya_names(layers, encoders, model, data_dir) if layout == "kohya" else None
+    exact = not portable and kohya is None
     tensors, scales = {}, {}
     for (comp, module), parts in sorted(layers.items()):
         a, b, bias, c = _layer(parts, dtype)
         if portable and c != 1.0:  # folded: B c, bias c, scale 1 (what any reader applies)
             b, bias, c = b * c, None if bias is None else bias * c, 1.0
+        if kohya is not None:
+            if bias is not None:
+                raise InvalidParameter(f"{comp}.{module}: the stack adds a LoRA bias there, and the kohya layout "
+                                       "has no key for one; export it in the diffusers layout", param="layout")
+            key = kohya[(comp, module)]
+            tensors[f"{key}.lora_down.weight"] = a.contiguous()
+            tensors[f"{key}.lora_up.weight"] = b.contiguous()
+            tensors[f"{key}.alpha"] = torch.tensor(_alpha(c, int(a.shape[0])), dtype=torch.float32)
+            continue
         tensors[f"{comp}.{module}.lora_A.weight"] = a.contiguous()
         tensors[f"{comp}.{module}.lora_B.weight"] = b.contiguous()
         if bias is not None:
@@ -74,12 +100,76 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
     stack = " + ".join(f"{s['name']} x{_shown(s['scale'])}" for s in sources)
     metadata = {"modelspec.title": title or out.stem, "modelspec.description": f"exported by LoRA Studio from "
                 f"{stack} on {model}", "lora_studio.exported_from": json.dumps(sources),
-                **({} if portable else {"lora_adapter_metadata": json.dumps(_configs(scales)),
-                                        "lora_studio.exact_in": str(dtype).replace("torch.", "")})}
+                **({"lora_adapter_metadata": json.dumps(_configs(scales)),
+                    "lora_studio.exact_in": str(dtype).replace("torch.", "")} if exact else {}),
+                **({"ss_network_module": _network_module(model, data_dir), "lora_studio.layout": "kohya"} if kohya
+                   else {})}
     _atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=metadata))
-    ranks = {tensors[k].shape[0] for k in tensors if k.endswith("lora_A.weight")}
-    return {"path": str(out), "layers": len(layers), "rank": max(ranks), "from": sources,
-            "exact_in": None if portable else str(dtype).replace("torch.", "")}
+    ranks = {t.shape[0] for k, t in tensors.items() if k.endswith(("lora_A.weight", "lora_down.weight"))}
+    return {"path": str(out), "layers": len(layers), "rank": max(ranks), "from": sources, "layout": layout,
+            "exact_in": str(dtype).replace("torch.", "") if exact else None}
+
+
+def _network_module(model: str, data_dir) -> str:
+    """sd-scripts' / musubi-tuner's ``ss_network_module`` for the model (readers use it to tell the layouts apart)."""
+    from ..families import family_for
+    from .library import denoiser_skeletons
+
+    cls = denoiser_skeletons(model, data_dir)[0].__name__
+    return "networks.lora_wan" if family_for(cls).lora.kohya_names.get(cls) == "wan" else "networks.lora"
+
+
+def _kohya_names(layers: dict, encoders: dict, model: str, data_dir) -> dict:
+    """(component, module) -> the kohya key stem of every layer of the stack, or InvalidParameter naming
+    what the layout cannot hold. The transformer's names are the family's (``LoraRouting.kohya_names``:
+    Qwen-Image's module paths, Wan's original names as musubi-tuner writes them); a stem must name its module
+    alone among the component's Linear layers with dots read as ``_`` (how kohya readers find it back)."""
+    from ..families import family_for
+    from .convert import ENCODER_COMPONENTS, wan_original
+    from .library import denoiser_skeletons
+
+    comps = {comp for comp, _ in layers}
+    second = sorted(c for c in comps if c not in ENCODER_COMPONENTS and c != "transformer")
+    if second:
+        raise InvalidParameter(f"the stack changes {second[0]} of {model}; a kohya file holds one transformer "
+                               "(musubi-tuner writes one file per Wan2.2 expert): export it in the diffusers "
+                               "layout, or set the other expert's weight to 0", param="layout")
+    pipeline_cls, skeletons = denoiser_skeletons(model, data_dir)
+    style = family_for(pipeline_cls.__name__).lora.kohya_names.get(pipeline_cls.__name__)
+    if style is None and "transformer" in comps:
+        raise InvalidParameter(f"{model} ({pipeline_cls.__name__}) has no kohya layout here: the kohya names of its "
+                               "transformer are the original model's modules (SD3.5: MMDiT's joint_blocks with a "
+                               "fused qkv), which diffusers does not read back; export it in the diffusers layout",
+                               param="layout")
+    present = [c for c in ENCODER_COMPONENTS if c in encoders]
+    prefix = {"transformer": "lora_unet_"}
+    for comp in present:  # one encoder: lora_te_; several (SD3.5): lora_te1_ (CLIP-L), lora_te2_, lora_te3_ (T5)
+        prefix[comp] = "lora_te_" if len(present) == 1 else f"lora_te{ENCODER_COMPONENTS.index(comp) + 1}_"
+    modules = {"transformer": skeletons.get("transformer"), **{c: encoders[c] for c in present}}
+
+    def spelled(comp, module):
+        if comp == "transformer" and style == "wan":
+            original = wan_original(module)
+            return None if original is None else original.replace(".", "_")
+        return module.replace(".", "_")
+
+    seen: dict[str, dict[str, int]] = {}
+    out = {}
+    for comp, module in layers:
+        if comp not in seen:
+            seen[comp] = {}
+            for name, m in modules[comp].named_modules():
+                if isinstance(m, torch.nn.Linear):
+                    under = spelled(comp, name)
+                    seen[comp][under] = seen[comp].get(under, 0) + 1
+        under = spelled(comp, module)
+        if under is None or seen[comp].get(under, 0) != 1:
+            why = "has no name in Wan's original modules" if under is None else \
+                f"would be {under!r}, which names several layers of {model}"
+            raise InvalidParameter(f"{comp}.{module}: its kohya name {why}; export it in the diffusers layout",
+                                   param="layout")
+        out[(comp, module)] = prefix[comp] + under
+    return out
 
 
 def canonical_stack(resolved: list, model: str, data_dir=None,

@@ -153,18 +153,15 @@ def decide(i: PolicyInputs, requested: str = "auto") -> Decision:
 
 
 # -- mixed-adapter batches: one batched call or the jobs one by one ------------------------------------
-# Per-sample cost of a batched denoiser step over a lone one (step_s(n) = n * step_s * batch_eff), before
-# any measurement: a CPU forward is compute-bound (no gain from batching), a GPU one is launch/memory
-# bound at small sizes. Measured batches replace these (UnfusedServing keeps the observed ratio per n).
-BATCH_EFF_DEFAULTS = {"cpu": 1.0, "cuda": 0.5}
-
-
 @dataclass(frozen=True)
 class BatchInputs:
     jobs: list                    # each job's single-request PolicyInputs (None: the job has no adapters)
     steps: int
     step_s: float | None          # measured seconds of one lone base step
-    batch_eff: float = 1.0        # per-sample step cost in a batch of this size / a lone step (measured or default)
+    # per-sample step cost in a batch of this size over a lone step, as measured (UnfusedServing keeps the
+    # observed ratio per size); None: no batch of this size has run here yet, so one is run to measure it (a
+    # default would be wrong on some device, and a default that says "one by one" would never be corrected)
+    batch_eff: float | None = 1.0
     forwards: float = 1.0
     hook_s: float = 30e-6
     hooked_layers: int = 0        # layers the batch hooks (union of every set's layers, per component)
@@ -198,9 +195,13 @@ def decide_batch(b: BatchInputs) -> dict:
     only = next((i.merge_only for i in b.jobs if i is not None and i.merge_only), "")
     if only:  # a batch runs every set unfused, side by side
         return {"mode": "sequential", "reason": f"{only} is applied by merge only"}
+    if b.batch_eff is None:
+        return {"mode": "batched", "reason": f"no batch of {len(b.jobs)} measured yet on this device: batched once "
+                                             "to measure it"}
     costs = batch_costs(b)
     if costs is None:
-        return {"mode": "batched", "reason": "no step time measured yet: the operator's --max-batch"}
+        return {"mode": "batched", "reason": "no step time measured yet: batched as asked (--max-batch, or the "
+                                             "jobs' batch_size)"}
     seq, bat = costs
     out = {"predicted_sequential_s": round(seq, 6), "predicted_batched_s": round(bat, 6),
            "batch_eff": round(b.batch_eff, 4)}

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..errors import InvalidParameter
 from ..errors import LayerWriteFailed as _LayerWriteFailed
 from .convert import MERGE_ONLY
-from .policy import (BATCH_EFF_DEFAULTS, DEVICE_DEFAULTS, BatchInputs, Decision, PolicyInputs, check_mode, decide,
+from .policy import (DEVICE_DEFAULTS, BatchInputs, Decision, PolicyInputs, check_mode, decide,
                      decide_batch)
 
 
@@ -470,9 +470,8 @@ class UnfusedServing:
         if len(encoder_plans) > 1:  # the encoder runs once for the whole batch
             return {"mode": "sequential", "reason": "the jobs' adapters change the text encoders differently"}
         n = len(adapter_sets)
-        eff = self.batch_step_s.get(n)
-        eff = eff / (n * self.step_s) if eff is not None and self.step_s else \
-            BATCH_EFF_DEFAULTS.get(self._kind, 1.0)
+        eff = self.batch_step_s.get(n)  # None until a batch of n has run: policy.decide_batch runs one to measure
+        eff = eff / (n * self.step_s) if eff is not None and self.step_s else None
         return decide_batch(BatchInputs(jobs=jobs, steps=int(steps or 1), step_s=self.step_s, batch_eff=eff,
                                         forwards=self.forwards, hook_s=float(self.config["hook_s"]),
                                         hooked_layers=max((len(v) for v in union.values()), default=0)))

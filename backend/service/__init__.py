@@ -20,6 +20,7 @@ from ..jobs.queue import FINISHED
 from ..limits import MAX_PLOT_PIXELS, MAX_PLOT_SIDE, check_plot_cells, check_plot_size  # noqa: F401 (the UI's plot budget)
 from ..lora.schedule import parse_text as parse_scale_text  # noqa: F401 - the UI's scale fields (torch-free)
 from ..outputs import IMAGE_SUFFIXES  # noqa: F401 - the UI's batch grid (which results are pictures)
+from ..params import MAX_BATCH_SIZE  # noqa: F401 - the UI's Batch size field
 from ..pnginfo import infotext  # noqa: F401 - the UI's result line (torch-free)
 from ..preferences import TOKENS as FILENAME_TOKENS  # noqa: F401 - the UI's Settings tab (torch-free)
 from ..preferences import Preferences, check as check_preferences, filename as preferred_filename  # noqa: F401
@@ -167,8 +168,8 @@ class Studio:
     def delete_adapter(self, name: str) -> dict:
         return self.library.delete_adapter(name)
 
-    def export_adapter(self, specs: list[dict], name: str, portable: bool = False) -> dict:
-        return self.library.export_adapter(specs, name, portable)
+    def export_adapter(self, specs: list[dict], name: str, portable: bool = False, layout: str = "diffusers") -> dict:
+        return self.library.export_adapter(specs, name, portable, layout)
 
     def bake_model(self, specs: list[dict], name: str, user: User | None = None) -> dict:
         return self.library.bake_model(specs, name, user)

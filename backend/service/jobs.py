@@ -85,10 +85,18 @@ class JobService:
 
     def _check_params(self, params: dict, model: str | None, adapters: list | None = None) -> dict:
         """Reject what the loaded model's spec refuses now (an HTTP 400), before the job is queued."""
-        from ..params import FIELDS, IMAGE_FIELDS, check_field
+        from ..params import FIELDS, IMAGE_FIELDS, JOB_FIELDS, check_field
 
         core = self.core
         params = {k: v for k, v in params.items() if v is not None}
+        if "batch_size" in params:
+            params["batch_size"] = check_field("batch_size", params["batch_size"])
+            if params["batch_size"] == 1:  # the default: the job's key for batching stays that of any other
+                del params["batch_size"]
+            elif core.engine == "ray":
+                raise InvalidParameter("'batch_size' > 1 needs --engine local: a Ray replica takes one job at a "
+                                       "time (ask for n images; each runs on the next free replica)",
+                                       param="batch_size")
         if "lora_mode" in params:  # per request: merge or unfused (backend/lora/policy.py; the worker pops it)
             from ..lora.policy import check_mode
 
@@ -96,7 +104,7 @@ class JobService:
         current = model is None or model == core.current_model()
         spec = core.spec() if current else core.static_spec(model)
         if spec and current:
-            unknown = sorted(k for k in params if k not in spec["fields"] and k != "lora_mode")
+            unknown = sorted(k for k in params if k not in spec["fields"] and k != "lora_mode" and k not in JOB_FIELDS)
             if unknown:
                 raise InvalidParameter(
                     f"unknown field {unknown[0]!r} for {spec['pipeline']}; accepted fields: "

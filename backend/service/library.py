@@ -179,12 +179,15 @@ class AdapterLibrary:
             shutil.rmtree(stage, ignore_errors=True)
         return self.adapter_detail(name)
 
-    def export_adapter(self, specs: list[dict], name: str, portable: bool = False) -> dict:
+    def export_adapter(self, specs: list[dict], name: str, portable: bool = False, layout: str = "diffusers") -> dict:
         """A stack (``[{"name" or "path", "scale"}]``, resolved as a request's) written exactly as one LoRA file
         into the library root as ``<name>.safetensors`` (``backend/lora/export.py``); returns the new row and
-        what was written."""
+        what was written. ``layout``: "diffusers" (exact unless ``portable``) or "kohya" (to fp32 rounding)."""
         from ..settings import check_plain_name
-        from ..lora.export import export_stack
+        from ..lora.export import LAYOUTS, export_stack
+
+        if layout not in LAYOUTS:  # before the name or any file
+            raise InvalidParameter(f"layout {layout!r}: one of {', '.join(LAYOUTS)}", param="layout")
 
         name = check_plain_name(name, "name")
         check_request(self.core.limits, None, {}, {}, specs)  # --max-adapters, before any file is read
@@ -192,7 +195,8 @@ class AdapterLibrary:
         if os.path.lexists(target) or name in {r["name"] for r in self.adapters()}:
             raise InvalidParameter(f"an adapter named {name!r} already exists in the library", param="name")
         written = export_stack(self.core.resolver.resolve(specs), self.core.current_model(), target,
-                               data_dir=self.core.data_dir, title=name, dtype=self._serving_dtype(), portable=portable)
+                               data_dir=self.core.data_dir, title=name, dtype=self._serving_dtype(), portable=portable,
+                               layout=layout)
         return {"adapter": self.adapter_detail(name), **written}
 
     def bake_model(self, specs: list[dict], name: str, user: User | None = None) -> dict:
