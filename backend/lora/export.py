@@ -61,8 +61,10 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
         raise InvalidParameter(f"layout {layout!r}: one of {', '.join(LAYOUTS)}", param="layout")
 
     from ..outputs import _atomic_write
+    from .library import denoiser_skeletons
 
-    chosen, sources, encoders = canonical_stack(resolved, model, data_dir)
+    denoisers = denoiser_skeletons(model, data_dir)  # the meta skeletons, built once for the whole export
+    chosen, sources, encoders = canonical_stack(resolved, model, data_dir, denoisers=denoisers)
     layers: dict[tuple[str, str], list] = {}  # (component, module) -> [(A, B, bias, c)]
     for _, entry, weights in chosen:  # the engine's order (by identity): the rank concatenated as its merge does
         for comp, binding in entry.bindings.items():
@@ -76,7 +78,7 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
                      None if bias is None else bias.float(), c))
     if not layers:
         raise InvalidParameter("every adapter of the stack has weight 0 here: nothing to export", param="lora")
-    kohya = _kohya_names(layers, encoders, model, data_dir) if layout == "kohya" else None
+    kohya = _kohya_names(layers, encoders, model, *denoisers) if layout == "kohya" else None
     exact = not portable and kohya is None
     tensors, scales = {}, {}
     for (comp, module), parts in sorted(layers.items()):
@@ -102,7 +104,7 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
                 f"{stack} on {model}", "lora_studio.exported_from": json.dumps(sources),
                 **({"lora_adapter_metadata": json.dumps(_configs(scales)),
                     "lora_studio.exact_in": str(dtype).replace("torch.", "")} if exact else {}),
-                **({"ss_network_module": _network_module(model, data_dir), "lora_studio.layout": "kohya"} if kohya
+                **({"ss_network_module": _network_module(denoisers[0]), "lora_studio.layout": "kohya"} if kohya
                    else {})}
     _atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     ranks = {t.shape[0] for k, t in tensors.items() if k.endswith(("lora_A.weight", "lora_down.weight"))}
@@ -110,23 +112,21 @@ def export_stack(resolved: list, model: str, out: Path, *, data_dir=None, title:
             "exact_in": str(dtype).replace("torch.", "") if exact else None}
 
 
-def _network_module(model: str, data_dir) -> str:
+def _network_module(pipeline_cls) -> str:
     """sd-scripts' / musubi-tuner's ``ss_network_module`` for the model (readers use it to tell the layouts apart)."""
     from ..families import family_for
-    from .library import denoiser_skeletons
 
-    cls = denoiser_skeletons(model, data_dir)[0].__name__
+    cls = pipeline_cls.__name__
     return "networks.lora_wan" if family_for(cls).lora.kohya_names.get(cls) == "wan" else "networks.lora"
 
 
-def _kohya_names(layers: dict, encoders: dict, model: str, data_dir) -> dict:
+def _kohya_names(layers: dict, encoders: dict, model: str, pipeline_cls, skeletons: dict) -> dict:
     """(component, module) -> the kohya key stem of every layer of the stack, or InvalidParameter naming
     what the layout cannot hold. The transformer's names are the family's (``LoraRouting.kohya_names``:
     Qwen-Image's module paths, Wan's original names as musubi-tuner writes them); a stem must name its module
     alone among the component's Linear layers with dots read as ``_`` (how kohya readers find it back)."""
     from ..families import family_for
     from .convert import ENCODER_COMPONENTS, wan_original
-    from .library import denoiser_skeletons
 
     comps = {comp for comp, _ in layers}
     second = sorted(c for c in comps if c not in ENCODER_COMPONENTS and c != "transformer")
@@ -134,7 +134,6 @@ def _kohya_names(layers: dict, encoders: dict, model: str, data_dir) -> dict:
         raise InvalidParameter(f"the stack changes {second[0]} of {model}; a kohya file holds one transformer "
                                "(musubi-tuner writes one file per Wan2.2 expert): export it in the diffusers "
                                "layout, or set the other expert's weight to 0", param="layout")
-    pipeline_cls, skeletons = denoiser_skeletons(model, data_dir)
     style = family_for(pipeline_cls.__name__).lora.kohya_names.get(pipeline_cls.__name__)
     if style is None and "transformer" in comps:
         raise InvalidParameter(f"{model} ({pipeline_cls.__name__}) has no kohya layout here: the kohya names of its "
@@ -172,19 +171,20 @@ def _kohya_names(layers: dict, encoders: dict, model: str, data_dir) -> dict:
     return out
 
 
-def canonical_stack(resolved: list, model: str, data_dir=None,
-                    into: str = "folded into a LoRA file") -> tuple[list, list, dict]:
+def canonical_stack(resolved: list, model: str, data_dir=None, into: str = "folded into a LoRA file",
+                    denoisers: tuple | None = None) -> tuple[list, list, dict]:
     """A stack as the engine activates it, for writing out: ``[(identity, LoadedAdapter, {component: weight})]``
     sorted by identity (an adapter named twice once, its weights added), the stack's ``sources`` (name,
     sha256, scale) in its own order, and the meta-device encoders it was fitted against. Plain LoRA weights
-    only: LyCORIS / DoRA and weights over steps or per block are refused by name."""
+    only: LyCORIS / DoRA and weights over steps or per block are refused by name. ``denoisers``: the model's
+    ``library.denoiser_skeletons`` where the caller has them already."""
     from .adapter import load_adapter
     from .engine import identity_of
     from .library import denoiser_skeletons, encoder_skeletons
 
     if not resolved:
         raise InvalidParameter("name at least one adapter to export", param="lora")
-    pipeline_cls, skeletons = denoiser_skeletons(model, data_dir)
+    pipeline_cls, skeletons = denoisers or denoiser_skeletons(model, data_dir)
     encoders = encoder_skeletons(model, data_dir)
     sources, chosen = [], {}
     for i, a in enumerate(resolved):

@@ -178,7 +178,6 @@ class UnfusedServing:
         for c, d in engine.denoisers.items():
             self.add_denoiser(c, d)
         self.counters = {"merged": 0, "unfused": 0, "hooks_installed": 0, "batches": 0}
-        self._kind = kind
         self.batch_step_s: dict[int, float] = {}  # batch size -> measured seconds per step (mixed-adapter batches)
         self.last_merge: dict | None = None
 
