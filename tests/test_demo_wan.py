@@ -33,11 +33,31 @@ def test_clips_move_the_named_way_and_the_oracle_reads_them():
     assert frames.shape == (data.FRAMES, 64, 64, 3)
     got = read_clip(list(frames))
     assert (got.direction, got.colour, got.background, got.digit) == ("right", "green", "black", 4)
-    assert got.travel[1] > 20  # edge to edge, not a nudge
+    assert 10 < got.travel[1] < 20 and abs(got.travel[0]) < 1  # from the middle to the right edge, not a nudge
     still = read_clip([frames[0]] * data.FRAMES)
     assert still.direction is None and still.travel == (0.0, 0.0)
     with pytest.raises(ValueError, match="unknown direction 'sideways'"):
         data.video_prompt(3, "red", "sideways", "black")
+
+
+def test_where_a_clip_starts_says_nothing_of_the_way_it_goes():
+    """Every clip starts with the digit in the middle of the frame along its motion and goes to the named edge:
+    the way is in the prompt only, not in the first frame (the Wan transformer knows positions only relative to
+    each other: edge to edge, the start edge would decide the way; data.render_clip). Read from the masks: the
+    same draw moving either way along an axis has the same first frame, and travels 10-20 px the named way."""
+    size = 64
+    ys, xs = np.mgrid[0:size, 0:size]
+    for seed in range(12):
+        first, moved = {}, {}
+        for way in data.DIRECTIONS:
+            _, alpha = data.render_clip(data.Clip(str(seed % 9), "red", "black", way), np.random.default_rng(seed))
+            first[way] = alpha[0]
+            centre = [np.array([(a * ys).sum(), (a * xs).sum()]) / a.sum() for a in (alpha[0], alpha[-1])]
+            moved[way] = centre[1] - centre[0]
+        assert np.array_equal(first["left"], first["right"]) and np.array_equal(first["up"], first["down"]), seed
+        for way, (axis, sign) in {"left": (1, -1), "right": (1, 1), "up": (0, -1), "down": (0, 1)}.items():
+            travel = moved[way]
+            assert 10 < sign * travel[axis] < 20 and abs(travel[1 - axis]) < 1, (seed, way, travel)
 
 
 def test_the_grammar_tokenizer_makes_each_word_one_token():
@@ -115,6 +135,22 @@ def test_the_wan_trainer_runs_resumes_and_writes_a_loadable_pipeline(tmp_path, c
     frames = pipe(prompt="a green digit 4 moving right on a black background", height=64, width=64, num_frames=9,
                   num_inference_steps=2, output_type="np").frames[0]
     assert frames.shape == (9, 64, 64, 3)
+
+    # --init-from: going on from written weights keeps their VAE (and its latent statistics) and tokenizer files,
+    # trains their transformer and text encoder further, and says what it went on from
+    more, home2 = tmp_path / "wan-more", tmp_path / "home2"
+    code, text = run_trainer(capsys, ["wan2.1-t2v", "--init-from", str(out), "--data-dir", str(home2), "--out", str(more),
+                                      "--set", "latent_pool=16", "--set", "transformer_steps=2",
+                                      "--set", "transformer_batch=2"])
+    assert code == 0 and f"continuing from {out}" in text and "video vae" not in text, text
+    assert (home2 / "demo-train" / "wan2.1-t2v-continued" / "transformer.pt").is_file()
+    for part in ("vae/diffusion_pytorch_model.safetensors", "vae/config.json", "tokenizer/tokenizer_config.json"):
+        assert (more / part).read_bytes() == (out / part).read_bytes(), part
+    name = "diffusion_pytorch_model.safetensors"
+    assert (more / "transformer" / name).read_bytes() != (out / "transformer" / name).read_bytes()
+    record = json.loads((more / "training.json").read_text())
+    assert record["continued_from"]["plan"]["transformer_steps"] == 2 and record["vae"]["psnr_db"] > 0
+    assert record["unseen_prompts"] and WanPipeline.from_pretrained(more).transformer is not None
 
 
 def test_each_experts_sigmas_are_the_trainers_distribution_on_its_half():

@@ -7,11 +7,11 @@ training never used, through the product's own path (a ``PipelineManager`` at th
 Wan2.2 checkpoint assembled wrong (the experts swapped, or one expert in both places) is loaded from a folder
 laid out that way, as a user's would be, and must draw worse clips.
 
-Not there yet (#40's bars are direction and colour >= 80%, and a 30-point direction drop for a wrong
-assembly): trained from the 9,000-step demo:wan2.1-t2v, the pair moves the digit the asked way in 50% of the
-grid (colour 100%);
-what it reached is held below less a margin, the issue's bars by strict xfails, which fail (so the bars
-get raised) the day they are met.
+#40's bars: direction and colour >= 80% (met: 100% and 100%), and a 30-point direction drop for a wrong
+assembly (not met: 16, 16 and 0 points; held by a strict xfail, which fails, so the bar gets raised, the day
+it is met). Why not: at the demo's flow shift 3 the high-noise half (sigma >= 0.875) is 6 of the 20 steps and
+the low-noise expert alone moves the digit the asked way (blinded to the prompt, the high-noise expert costs
+nothing: test_each_file_of_a_distill_pair_lands_in_its_own_expert).
 """
 from __future__ import annotations
 
@@ -27,17 +27,16 @@ from backend.manager import PipelineManager
 from oracles import asked_clip, clip_grid, score_clips
 
 MODEL = "demo:wan2.2-t2v"
-# Reached by 1,800 steps of 16 for each expert (about 30 minutes) from demo:wan2.1-t2v's 9,000, on the grid at
-# the model's defaults: direction 50%, colour 100%, background 100%, digit 12% (from the 5,200-step base:
-# 47%, 97%, 100%, 9%).
-THRESHOLDS = {"direction": 0.42, "colour": 0.9, "background": 0.9}
+# Reached by 1,800 steps of 16 for each expert (34 minutes) from demo:wan2.1-t2v (9,000 steps edge to edge, then
+# 3,000 on clips from the middle), on the grid at the model's defaults: direction 100%, colour 100%, background
+# 100%, digit 12% (from the 9,000-step base alone: 50%, 100%, 100%, 12%).
+THRESHOLDS = {"direction": 0.9, "colour": 0.9, "background": 0.9}
 ISSUE_BARS = {"direction": 0.8, "colour": 0.8}
-# Wrong assemblies, same grid: swapped direction 41% colour 78%; the high-noise expert in both places 47% / 75%;
-# the low-noise one in both places 47% / 97% (it still does the high-noise half nearly as well: see
+# Wrong assemblies, same grid: swapped direction 84% colour 84%; the high-noise expert in both places 84% / 84%;
+# the low-noise one in both places 100% / 100% (it does the high-noise half nearly as well: see
 # test_each_expert_is_the_better_denoiser_on_its_own_half). Held: each of the first two loses at least this
-# much (the colour is where they lose most: 22 and 25 points; the direction 9 and 3); the issue's 30-point
-# direction drop for all three is the strict xfail.
-MIN_LOSS = {"direction": 0.0, "colour": 0.15}
+# much (16 points of each measured); the issue's 30-point direction drop for all three is the strict xfail.
+MIN_LOSS = {"direction": 0.09, "colour": 0.09}
 ISSUE_DROP = 0.30
 
 
@@ -74,12 +73,11 @@ def shipped(data_dir) -> dict:
     return scores(MODEL, data_dir)
 
 
-def test_the_grid_draws_the_asked_colour_background_and_mostly_motion(shipped):
+def test_the_grid_draws_the_asked_colour_background_and_motion(shipped):
     failed = {k: f"{shipped[k]:.0%} < {v:.0%}" for k, v in THRESHOLDS.items() if shipped[k] < v}
     assert not failed, f"read as asked: {shipped}; below the bar: {failed}"
 
 
-@pytest.mark.xfail(strict=True, reason="#40: not reached (grid direction 50%)")
 def test_the_grid_meets_the_issues_bars(shipped):
     assert all(shipped[k] >= v for k, v in ISSUE_BARS.items()), shipped
 
@@ -93,7 +91,7 @@ def test_a_wrongly_assembled_pair_draws_worse_clips(assembly, assembled, shipped
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="#40: the experts are not yet that far apart (drops 9, 3 and 3 points)")
+@pytest.mark.xfail(strict=True, reason="#40: the experts are not yet that far apart (drops 16, 16 and 0 points)")
 def test_every_wrong_assembly_loses_the_issues_share_of_the_motion(assembled, shipped, data_dir):
     drops = {name: shipped["direction"] - scores(str(folder), data_dir)["direction"]
              for name, folder in assembled.items()}
@@ -128,10 +126,10 @@ def held_out_latents():
 def test_each_expert_is_the_better_denoiser_on_its_own_half(held_out_latents):
     """The flow-matching error (the velocity's MSE) on held-out clips at fixed noise: ``transformer`` is the
     better of the two above the boundary (sigma >= 0.875), ``transformer_2`` below it, and each is better
-    there than the Wan2.1 transformer both started from. Measured (from the 9,000-step base): above, high 0.150,
-    low 0.161, base 0.156 (mean of sigma 0.98 and 0.93); below, low 0.061, high 0.188, base 0.069 (sigma 0.6,
-    0.4, 0.2). Above the boundary the better base leaves the high-noise expert less to gain (4%; it was 11%
-    over the 5,200-step base), so that margin is held at 2%."""
+    there than the Wan2.1 transformer both started from. Measured (the pair from the base trained on clips from
+    the middle): above, high 0.131, low 0.140, base 0.139 (mean of sigma 0.98 and 0.93); below, low 0.052, high
+    0.154, base 0.059 (sigma 0.6, 0.4, 0.2). Above the boundary a good base leaves the high-noise expert little
+    to gain (6%; it was 11% over the 5,200-step base), so that margin is held at 2%."""
     from diffusers import WanTransformer3DModel
 
     pipe, x0, embeds = held_out_latents
@@ -153,3 +151,55 @@ def test_each_expert_is_the_better_denoiser_on_its_own_half(held_out_latents):
     above, below = error([0.98, 0.93]), error([0.6, 0.4, 0.2])
     assert above["high"] < 0.98 * min(above["low"], above["base"]), above
     assert below["low"] < 0.5 * below["high"] and below["low"] < 0.95 * below["base"], below
+
+
+def _prompt_blind_file(expert, path, nudge: bool = False) -> None:
+    """A LightX2V-layout distill file (``diffusion_model.blocks.N.cross_attn.v``, lora_down / lora_up / alpha)
+    that blinds ``expert`` to the prompt: each block's cross-attention value projection loses its weight
+    (delta -W, rank 128), so every text token gives the same value. ``nudge``: a change of 1e-3 to one block
+    instead (a file that touches its expert and changes nothing one can see)."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for i, block in enumerate(expert.blocks):
+        w = block.attn2.to_v.weight.detach().float()
+        key = f"diffusion_model.blocks.{i}.cross_attn.v"
+        down, up = torch.eye(w.shape[1]), -w
+        if nudge:
+            if i:
+                continue
+            down, up = torch.full((1, w.shape[1]), 1e-3), torch.full((w.shape[0], 1), 1e-3)
+        tensors.update({f"{key}.lora_down.weight": down.to(torch.bfloat16), f"{key}.lora_up.weight": up.to(torch.bfloat16),
+                        f"{key}.alpha": torch.tensor(float(down.shape[0]))})
+    save_file(tensors, str(path))
+
+
+@pytest.mark.slow  # two grids, 35 s each
+def test_each_file_of_a_distill_pair_lands_in_its_own_expert(data_dir, tmp_path, shipped):
+    """Checked by the picture, not by the keys: the distill backend fuses a Wan2.2 pair as given (the high-noise
+    file into ``transformer``, the low-noise one into ``transformer_2``). A file that blinds its expert to the
+    prompt, made from that expert's own weights: blinding the low-noise expert loses the colour (it paints
+    the detail: 59% colour, 72% direction measured), blinding the high-noise one loses nothing (100% / 100%).
+    Routed the other way round, each file would land in the other expert, whose weights it was not made
+    from (the two differ by their training, a small change), and neither clip would lose its colour."""
+    m = PipelineManager(device="cpu", dtype="float32", data_dir=data_dir)
+    m.load(MODEL)
+    high, low = m.pipeline.transformer, m.pipeline.transformer_2
+    files = {}
+    for role, expert in (("high", high), ("low", low)):
+        files[role] = tmp_path / f"blind_{role}_noise.safetensors"
+        _prompt_blind_file(expert, files[role])
+        files[f"{role} nudge"] = tmp_path / f"nudge_{role}_noise.safetensors"
+        _prompt_blind_file(expert, files[f"{role} nudge"], nudge=True)
+
+    def grid_with(paths) -> dict:
+        m.fuse(paths)
+        try:
+            return score_clips([(p, m.generate({"prompt": p, "seed": s}).frames) for p, s in grid()])
+        finally:
+            m.restore_base()
+
+    high_blind = grid_with([files["high"], files["low nudge"]])
+    low_blind = grid_with([files["high nudge"], files["low"]])
+    assert high_blind["colour"] >= shipped["colour"] - 0.1 and high_blind["direction"] >= 0.8, high_blind
+    assert low_blind["colour"] <= shipped["colour"] - 0.25, low_blind

@@ -1,8 +1,5 @@
 """demo:wan2.1-t2v draws what it is asked: a digit of the asked colour moving the asked way (#40).
 
-Not there yet: after three 30-minute runs of training it draws the asked background and colour, and moves the
-digit the asked way in half the clips, by small steps; its digits are blobs (see THRESHOLDS).
-
 Trained here (``python -m backend.demo.train wan2.1-t2v``, backend/demo/wan_train.py); read by the
 oracles of tests/oracles.py (the foreground's centroid over the frames for the direction; the middle
 frame's colour, background and digit), written apart from the trainer, on prompts no training clip had
@@ -20,17 +17,16 @@ from backend.manager import PipelineManager
 from oracles import asked_clip, clip_grid, read_clip, score_clips
 
 MODEL = "demo:wan2.1-t2v"
-# The issue's bars are direction and colour at least 80%. After three 30-minute runs (9,000 steps of 16; the
-# stage's budget is one run a session, it goes on from these weights) the grid read, at the default CFG 3:
-# direction 50%, colour 97%, background 100%, digit 12% (5,200 steps: 44% / 84%; the first run, 1,700 steps:
-# 6% / 56%). The bars below are the reached figures less a margin; the issue's direction bar is held by the
-# strict xfail below, which fails (so the bar gets raised) the day the clips move as asked.
-# Where the direction fails (measured at 390341d on 64 validation clips, seeds 50000 and 60000 up, not this grid's):
-# the axis is always right (left/right clips move sideways, up/down ones vertically), the sign is not: left 10 of
-# 16, right 10, up 5 (11 go down), down 8; the mean vertical travel is down for "up" and "down" alike. Sampling
-# is not the lever: CFG 2, 3, 4, 6 and 40 steps give 47-53% (CFG 3 is the default). The sign is set by where the
-# digit starts, decided in the high-noise steps: what the next training run should target.
-THRESHOLDS = {"direction": 0.42, "colour": 0.88, "background": 0.9}
+# The issue's bars: direction and colour at least 80% (ISSUE_BARS). Reached, on this grid at the default CFG 3:
+# direction 100%, colour 100%, background 100%, digit 19% (and the same on 32 more clips, seeds 50000 up:
+# 100% / 100%, digit 9%). How: 9,000 steps on clips crossing the frame edge to edge moved the digit along the
+# asked axis always and the asked way half the time (50%; CFG 2-6 and 40 steps: 47-53%), since the way was
+# fixed by the edge a clip started at, and the transformer (3-D RoPE, no absolute position) could hardly
+# tell the edges apart from noise. The clips now start in the middle (data.render_clip); 3,000 more steps
+# from those weights on them (28 minutes): 94% at 1,600, 100% at 3,000. Held below: the reached figures less a
+# margin. The digits are still blobs (the issue sets no bar on them).
+THRESHOLDS = {"direction": 0.9, "colour": 0.9, "background": 0.9}
+ISSUE_BARS = {"direction": 0.8, "colour": 0.8}
 
 
 def grid() -> list[tuple[str, int]]:
@@ -56,21 +52,20 @@ def grid_scores(manager) -> dict:
     return score_clips([(p, draw(manager, p, s)) for p, s in pairs])
 
 
-def test_the_grid_draws_the_asked_colour_background_and_mostly_motion(grid_scores):
+def test_the_grid_draws_the_asked_colour_background_and_motion(grid_scores):
     got = grid_scores
     failed = {k: f"{got[k]:.0%} < {v:.0%}" for k, v in THRESHOLDS.items() if got[k] < v}
     assert not failed, f"read as asked: {got}; below the bar: {failed}"
 
 
-@pytest.mark.xfail(strict=True, reason="#40: not reached after three 30-minute runs (grid direction 50%)")
-def test_the_grid_moves_the_asked_way(grid_scores):
-    assert grid_scores["direction"] >= 0.8, grid_scores
+def test_the_grid_meets_the_issues_bars(grid_scores):
+    assert all(grid_scores[k] >= v for k, v in ISSUE_BARS.items()), grid_scores
 
 
-@pytest.mark.xfail(strict=True, reason="#40: not reached after three 30-minute runs (at most 2 of 4)")
 def test_the_direction_word_alone_changes_the_motion(manager):
-    """One seed, four prompts that differ only in the direction: the clip follows the word."""
+    """One seed, four prompts that differ only in the direction: the clip follows the word, by a travel the
+    training clips have (12-16 px; measured 14-19 on seeds 7, 8, 9)."""
     readings = {way: read_clip(draw(manager, data.video_prompt(5, "orange", way, "black"), 7))
                 for way in data.DIRECTIONS}
-    right = [way for way, r in readings.items() if r.direction == way]
+    right = [way for way, r in readings.items() if r.direction == way and max(map(abs, r.travel)) >= 8]
     assert len(right) >= 3, {way: (r.direction, r.travel) for way, r in readings.items()}

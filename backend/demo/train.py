@@ -404,7 +404,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="where the weights go (default backend/demo/weights/<model>)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--init-from", default=None, metavar="DIR",
-                        help="go on from written weights (e.g. backend/demo/weights/qwen-image): keep their VAE, "
+                        help="qwen-image, wan2.1-t2v: go on from written weights (e.g. backend/demo/weights/"
+                             "qwen-image): keep their VAE, "
                              "train the transformer further (checkpoints under <data-dir>/demo-train/<stage>-continued)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a plan field, e.g. --set vae_steps=10 (for a quick trial)")
@@ -430,14 +431,13 @@ def main(argv=None) -> int:
             parser.error(f"--out {weights}: no vae/config.json there (the qwen-image weights folder is needed)")
         work = settings.data_dir(args.data_dir) / "demo-train" / "vae-decoder"
         return 0 if tune_vae_decoder(plan, work, weights, args.minutes) else 3
-    if args.stage in ("wan2.1-t2v", "wan2.2-t2v"):
+    if args.stage == "wan2.2-t2v":
         from ..result import quiet_libraries
 
         quiet_libraries()
         work = settings.data_dir(args.data_dir) / "demo-train" / args.stage
         out = Path(args.out) if args.out else WEIGHTS_ROOT / args.stage
-        train = wan_train.train_wan21 if args.stage == "wan2.1-t2v" else wan_experts.train_experts
-        return 0 if train(plan, work, out, args.minutes) else 3
+        return 0 if wan_experts.train_experts(plan, work, out, args.minutes) else 3
     if args.stage == "distill":
         presets = args.only or list(distill.PRESETS)
         unknown = [p for p in presets if p not in distill.PRESETS]
@@ -479,7 +479,8 @@ def main(argv=None) -> int:
         copy = Path(tempfile.mkdtemp(prefix="demo-init."))
         shutil.copytree(init, copy, dirs_exist_ok=True)
         init = copy
-    return 0 if train_qwen_image(plan, work, out, args.minutes, init) else 3
+    train = wan_train.train_wan21 if args.stage == "wan2.1-t2v" else train_qwen_image
+    return 0 if train(plan, work, out, args.minutes, init) else 3
 
 
 if __name__ == "__main__":

@@ -224,17 +224,24 @@ def flow_loss(tr, x0: torch.Tensor, embeds: torch.Tensor, sigma: torch.Tensor) -
     return torch.nn.functional.mse_loss(pred, noise - x0)
 
 
-def train_transformer(plan: WanPlan, work: Path, vae, stats: dict, deadline: float):
-    """Flow matching of the transformer and the text encoder on the pool's latents; (pipeline, done)."""
-    from diffusers import UniPCMultistepScheduler, WanPipeline
+def train_transformer(plan: WanPlan, work: Path, vae, stats: dict, deadline: float, init: Path | None = None):
+    """Flow matching of the transformer and the text encoder on the pool's latents; (pipeline, done). With
+    ``init`` (written weights) both start from there."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import AutoTokenizer, UMT5EncoderModel
 
     from .tokenizers import t5_grammar_tokenizer
 
-    tokenizer = t5_grammar_tokenizer()
-    torch.manual_seed(plan.seed + 2)
-    tr = transformer()
-    torch.manual_seed(plan.seed + 3)
-    te = text_encoder(tokenizer)
+    if init is not None:
+        tokenizer = AutoTokenizer.from_pretrained(init / "tokenizer")
+        tr = WanTransformer3DModel.from_pretrained(init / "transformer", torch_dtype=torch.float32)
+        te = UMT5EncoderModel.from_pretrained(init / "text_encoder", dtype=torch.float32)
+    else:
+        tokenizer = t5_grammar_tokenizer()
+        torch.manual_seed(plan.seed + 2)
+        tr = transformer()
+        torch.manual_seed(plan.seed + 3)
+        te = text_encoder(tokenizer)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=te, transformer=tr, vae=vae,
                        scheduler=UniPCMultistepScheduler(**SCHEDULER))
     params = [*tr.parameters(), *te.parameters()]
@@ -252,9 +259,9 @@ def train_transformer(plan: WanPlan, work: Path, vae, stats: dict, deadline: flo
     if resume(ckpt, opt, rng, state, load) is not None:
         print(f"transformer: resuming at step {state['step']}/{plan.transformer_steps}")
     pool, prompts = latent_pool(plan, work, vae)
-    # the latent statistics the pipeline normalises with (the VAE config's latents_mean / latents_std): the pool's
-    stats["latents_mean"] = pool.float().mean(dim=(0, 2, 3, 4)).tolist()
-    stats["latents_std"] = pool.float().std(dim=(0, 2, 3, 4)).tolist()
+    if init is None:  # the latent statistics the pipeline normalises with (the VAE config's): the pool's
+        stats["latents_mean"] = pool.float().mean(dim=(0, 2, 3, 4)).tolist()
+        stats["latents_std"] = pool.float().std(dim=(0, 2, 3, 4)).tolist()
     mean = torch.tensor(stats["latents_mean"]).view(1, -1, 1, 1, 1)
     std = torch.tensor(stats["latents_std"]).view(1, -1, 1, 1, 1)
     tr.train()
@@ -297,8 +304,10 @@ def unseen_prompts(trained_on: list[str]) -> list[str]:
     return [p for p in every_prompt() if p not in seen]
 
 
-def export(pipe, stats: dict, plan: WanPlan, out: Path, prompts: list[str] | None = None) -> Path:
-    """Write the trained pipeline: fp16 safetensors, diffusers layout, the VAE's latent statistics in its config."""
+def export(pipe, stats: dict, plan: WanPlan, out: Path, prompts: list[str] | None = None,
+           tokenizer_from: Path | None = None) -> Path:
+    """Write the trained pipeline: fp16 safetensors, diffusers layout, the VAE's latent statistics in its config
+    (``tokenizer_from``: written weights whose tokenizer files are kept as they are)."""
     from diffusers import AutoencoderKLWan
 
     config = {k: v for k, v in pipe.vae.config.items() if not k.startswith("_")}
@@ -308,18 +317,24 @@ def export(pipe, stats: dict, plan: WanPlan, out: Path, prompts: list[str] | Non
     pipe.register_modules(vae=vae)
     record = {"vae": {k: stats[k] for k in ("psnr_db", "psnr_per_frame", "colour_kept", "motion_kept")},
               "vae_start": stats.get("start"), "plan": asdict(plan)}
+    if "continued_from" in stats:
+        record["continued_from"] = stats["continued_from"]
     if prompts is not None:  # the tests score these: prompts no training clip had
         record["unseen_prompts"] = unseen_prompts(prompts)
-    write_pipeline(pipe, out, record)
+    write_pipeline(pipe, out, record, tokenizer_from=tokenizer_from)
     return out
 
 
-def train_wan21(plan: WanPlan, work: Path, out: Path, minutes: float) -> bool:
-    """The video VAE, then (next) the transformer; True when the model is written."""
+def train_wan21(plan: WanPlan, work: Path, out: Path, minutes: float, init: Path | None = None) -> bool:
+    """The video VAE, then (next) the transformer; True when the model is written. With ``init`` (written
+    weights, e.g. the shipped ones) the VAE is taken from there, and the transformer and text encoder go on
+    training from there on a schedule of their own."""
     import json
 
     deadline = time.monotonic() + minutes * 60
     work.mkdir(parents=True, exist_ok=True)
+    if init is not None:
+        return _continue(plan, work, out, init, deadline)
     report_file = work / "vae-report-start.json"
     if not report_file.exists():
         report_file.write_text(json.dumps(vae_report(video_vae_from_image(), plan.report_clips), indent=2))
@@ -340,5 +355,27 @@ def train_wan21(plan: WanPlan, work: Path, out: Path, minutes: float) -> bool:
     if not done:
         return False
     export(pipe, stats, plan, out, latent_pool(plan, work, vae)[1])
+    print(f"wrote {out}")
+    return True
+
+
+def _continue(plan: WanPlan, work: Path, out: Path, init: Path, deadline: float) -> bool:
+    """``train_wan21`` from written weights: their VAE (frozen, its latent statistics kept, since the
+    transformer learned on latents normalised by them), their transformer and text encoder trained further."""
+    import json
+
+    from diffusers import AutoencoderKLWan
+
+    earlier = json.loads((init / "training.json").read_text())
+    vae = AutoencoderKLWan.from_pretrained(init / "vae", torch_dtype=torch.float32).eval()
+    vae.requires_grad_(False)
+    stats = {**earlier["vae"], "start": earlier.get("vae_start"),
+             "latents_mean": list(vae.config.latents_mean), "latents_std": list(vae.config.latents_std),
+             "continued_from": earlier}
+    print(f"continuing from {init}: its VAE ({stats['psnr_db']} dB), its transformer and text encoder")
+    pipe, done = train_transformer(plan, work, vae, stats, deadline, init)
+    if not done:
+        return False
+    export(pipe, stats, plan, out, latent_pool(plan, work, vae)[1], tokenizer_from=init)
     print(f"wrote {out}")
     return True
