@@ -319,8 +319,9 @@ def export(pipe, stats: dict, plan: WanPlan, out: Path, prompts: list[str] | Non
               "vae_start": stats.get("start"), "plan": asdict(plan)}
     if "continued_from" in stats:
         record["continued_from"] = stats["continued_from"]
-    if prompts is not None:  # the tests score these: prompts no training clip had
-        record["unseen_prompts"] = unseen_prompts(prompts)
+    if prompts is not None:  # the tests score these: prompts no training clip had, in this run or the one before
+        earlier = stats.get("continued_from", {}).get("unseen_prompts")
+        record["unseen_prompts"] = [p for p in unseen_prompts(prompts) if earlier is None or p in earlier]
     write_pipeline(pipe, out, record, tokenizer_from=tokenizer_from)
     return out
 
